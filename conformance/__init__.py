@@ -1,0 +1,1 @@
+"""Conformance suite: every backend against the float64 reference."""

@@ -1,0 +1,83 @@
+"""The plain-NumPy adapter: the core rules applied per tensor in the run's dtype.
+
+It is the smallest possible backend -- what a new framework's adapter looks
+like before any fast path -- and exercises the harness in float32 as well as
+float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from qhoptim import rules
+
+from ..cases import Case
+from . import closed_loop
+
+
+class _NumpyOptimizer:
+    def __init__(self, case: Case, params: list[np.ndarray]) -> None:
+        self.case = case
+        self.hp = case.hparams
+        self.step_count = 0
+        if case.optimizer == "qhm":
+            self.buffers = [np.zeros_like(p) for p in params]
+        else:
+            self.exp_avg = [np.zeros_like(p) for p in params]
+            self.exp_avg_sq = [np.zeros_like(p) for p in params]
+
+    def step(self, params: list[np.ndarray], grads: list[np.ndarray], lr: float) -> list[Any]:
+        hp, mode = self.hp, self.case.weight_decay_mode
+        self.step_count += 1
+        if self.case.optimizer != "qhm":
+            b1, b2 = hp["betas"]
+            bc1 = rules.bias_correction(b1, self.step_count)
+            bc2 = rules.bias_correction(b2, self.step_count)
+        out = []
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            decay: Any = 1
+            if mode != "none":
+                g, decay = rules.weight_decay_terms(
+                    g, p, lr=lr, weight_decay=hp["weight_decay"], decoupled=mode == "decoupled"
+                )
+            if self.case.optimizer == "qhm":
+                self.buffers[i], update = rules.qhm_update(
+                    g, self.buffers[i], momentum=hp["momentum"], nu=hp["nu"]
+                )
+            else:
+                self.exp_avg[i], self.exp_avg_sq[i], update = rules.qhadam_update(
+                    g,
+                    self.exp_avg[i],
+                    self.exp_avg_sq[i],
+                    beta1=b1,
+                    beta2=b2,
+                    nu1=hp["nus"][0],
+                    nu2=hp["nus"][1],
+                    eps=hp["eps"],
+                    bias_correction1=bc1,
+                    bias_correction2=bc2,
+                    sqrt=np.sqrt,
+                )
+            out.append(rules.apply_update(p, update, lr, decay).astype(p.dtype, copy=False))
+        return out
+
+
+class NumpyAdapter:
+    name = "numpy"
+
+    def available(self) -> bool:
+        return True
+
+    def supports(self, case: Case, dtype: str) -> bool:
+        return dtype in ("float32", "float64")
+
+    def run(self, case: Case, dtype: str) -> np.ndarray:
+        return closed_loop(
+            case,
+            to_backend=lambda a: np.asarray(a, dtype=dtype),
+            to_numpy=np.asarray,
+            make=lambda params: _NumpyOptimizer(case, params),
+            step=lambda opt, params, grads, lr: opt.step(params, grads, lr),
+        )

@@ -1,0 +1,110 @@
+"""Load the conformance cases (``cases.toml``) and build their lr sequences."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from qhoptim import reference
+
+from .problems import Problem, get_problem
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["DEFAULT_STEPS", "OPTIMIZERS", "Case", "load_cases", "lr_factors"]
+
+DEFAULT_STEPS = 150
+CASES_FILE = Path(__file__).with_name("cases.toml")
+
+# Optimizer name in the cases -> reference class.
+OPTIMIZERS: dict[str, type[Any]] = {
+    "qhm": reference.QHM,
+    "qhadam": reference.QHAdam,
+    "qhadamw": reference.QHAdamW,
+}
+
+
+def lr_factors(schedule: dict[str, Any], steps: int) -> list[float]:
+    """Multipliers of the base lr for steps ``0 .. steps-1``."""
+    kind = schedule.get("kind", "constant")
+    if kind == "constant":
+        return [1.0] * steps
+    if kind == "step":
+        gamma, milestones = schedule["gamma"], schedule["milestones"]
+        return [gamma ** sum(t >= m for m in milestones) for t in range(steps)]
+    if kind == "warmup":
+        w = schedule["warmup_steps"]
+        return [min(1.0, (t + 1) / w) for t in range(steps)]
+    if kind == "cosine":
+        lo = schedule.get("min_factor", 0.0)
+        last = max(steps - 1, 1)
+        return [lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * t / last)) for t in range(steps)]
+    raise ValueError(f"unknown schedule kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case. ``lrs[t]`` is the learning rate of step ``t``."""
+
+    name: str
+    problem_name: str
+    optimizer: str
+    hparams: dict[str, Any] = field(hash=False)
+    schedule: dict[str, Any] = field(hash=False)
+    steps: int = DEFAULT_STEPS
+
+    @property
+    def problem(self) -> Problem:
+        return get_problem(self.problem_name)
+
+    @property
+    def lrs(self) -> list[float]:
+        base = self.hparams["lr"]
+        return [base * f for f in lr_factors(self.schedule, self.steps)]
+
+    def reference_optimizer(self) -> Any:
+        """The float64 reference optimizer configured with this case's hparams."""
+        hp = dict(self.hparams)
+        for key in ("betas", "nus"):
+            if key in hp:
+                hp[key] = tuple(hp[key])
+        return OPTIMIZERS[self.optimizer](**hp)
+
+    @property
+    def weight_decay_mode(self) -> str:
+        """``"none"``, ``"coupled"`` or ``"decoupled"`` (what backends must configure)."""
+        if not self.hparams.get("weight_decay"):
+            return "none"
+        decoupled = self.optimizer == "qhadamw" or self.hparams.get("decoupled_weight_decay")
+        return "decoupled" if decoupled else "coupled"
+
+
+@cache
+def load_cases(path: Path = CASES_FILE) -> tuple[Case, ...]:
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)["case"]
+    cases = tuple(
+        Case(
+            name=c["name"],
+            problem_name=c["problem"],
+            optimizer=c["optimizer"],
+            hparams=dict(c["hparams"]),
+            schedule=dict(c.get("schedule", {"kind": "constant"})),
+            steps=int(c.get("steps", DEFAULT_STEPS)),
+        )
+        for c in raw
+    )
+    names = [c.name for c in cases]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate case names in cases.toml")
+    for c in cases:
+        if c.optimizer not in OPTIMIZERS:
+            raise ValueError(f"{c.name}: unknown optimizer {c.optimizer!r}")
+    return cases

@@ -1,0 +1,171 @@
+"""Closed-loop test problems of the conformance suite.
+
+Each problem is a deterministic gradient oracle ``grad(x, t)`` over one flat
+float64 vector ``x``, plus the shapes into which backends split that vector
+(so multi-tensor code paths -- torch's foreach kernels, optax pytrees -- see
+several parameters of different ranks, including an empty one).
+
+None is trivial: the optimum is away from the origin (so relative deviations
+are well defined), and each exercises a different regime -- ill-conditioning,
+a curved valley, minibatch noise, and rare huge gradient spikes (the regime
+QHAdam's ``nu2 < 1`` is meant for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["PROBLEMS", "Problem", "get_problem"]
+
+F64 = NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A closed-loop gradient oracle over a flat parameter vector."""
+
+    name: str
+    description: str
+    x0: F64
+    shapes: tuple[tuple[int, ...], ...]
+    grad_fn: Callable[[F64, int], F64] = field(repr=False)
+    loss_fn: Callable[[F64], float] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if sum(int(np.prod(s)) for s in self.shapes) != self.x0.size:
+            raise ValueError(f"{self.name}: shapes do not cover x0")
+
+    def grad(self, x: F64, t: int) -> F64:
+        """The gradient the optimizer sees at step ``t`` (0-based) at point ``x``."""
+        return self.grad_fn(np.asarray(x, dtype=np.float64), t)
+
+    def loss(self, x: F64) -> float:
+        return self.loss_fn(np.asarray(x, dtype=np.float64))
+
+    def split(self, x: F64) -> list[F64]:
+        """Split a flat vector into the problem's parameter shapes."""
+        out, i = [], 0
+        for s in self.shapes:
+            n = int(np.prod(s))
+            out.append(np.asarray(x[i : i + n]).reshape(s))
+            i += n
+        return out
+
+    @staticmethod
+    def join(parts: list[NDArray[np.generic]]) -> F64:
+        """Inverse of :meth:`split` (accepts any real dtype, returns float64)."""
+        return np.concatenate([np.asarray(p, dtype=np.float64).ravel() for p in parts])
+
+
+def _quadratic() -> Problem:
+    # Ill-conditioned (kappa = 1e3) quadratic with a rotated Hessian.
+    rng = np.random.default_rng(0)
+    n = 12
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    h = q @ np.diag(np.logspace(0, 3, n)) @ q.T
+    x_star = rng.uniform(0.5, 1.5, n) * rng.choice([-1.0, 1.0], n)
+    x0 = x_star + rng.standard_normal(n)
+    return Problem(
+        "quadratic",
+        "ill-conditioned quadratic, kappa = 1000, rotated Hessian",
+        x0,
+        ((2, 3), (4,), (0,), (2,)),
+        lambda x, t: h @ (x - x_star),
+        lambda x: 0.5 * float((x - x_star) @ h @ (x - x_star)),
+    )
+
+
+def _rosenbrock() -> Problem:
+    # Chained Rosenbrock in 4-D: a narrow curved valley, minimum at (1, 1, 1, 1).
+    def loss(x: F64) -> float:
+        return float(np.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2))
+
+    def grad(x: F64, t: int) -> F64:
+        g = np.zeros_like(x)
+        d = x[1:] - x[:-1] ** 2
+        g[:-1] += -400.0 * x[:-1] * d - 2.0 * (1.0 - x[:-1])
+        g[1:] += 200.0 * d
+        return g
+
+    return Problem(
+        "rosenbrock",
+        "chained Rosenbrock, 4-D, start (-1.2, 1, -1.2, 1)",
+        np.array([-1.2, 1.0, -1.2, 1.0]),
+        ((2,), (1, 2)),
+        grad,
+        loss,
+    )
+
+
+def _logistic() -> Problem:
+    # Minibatch logistic regression: 256 samples, 8 features + bias, batch 32.
+    rng = np.random.default_rng(1)
+    n, d, batch = 256, 8, 32
+    features = np.hstack([rng.standard_normal((n, d)), np.ones((n, 1))])
+    w_true = rng.standard_normal(d + 1) * 2.0
+    labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-features @ w_true))).astype(np.float64)
+    l2 = 1e-2  # keeps the optimum finite and away from the origin
+    batches = np.random.default_rng(2).integers(0, n, size=(4096, batch))
+
+    def grad(x: F64, t: int) -> F64:
+        idx = batches[t % len(batches)]
+        f = features[idx]
+        p = 1.0 / (1.0 + np.exp(-(f @ x)))
+        return np.asarray(f.T @ (p - labels[idx]) / batch + l2 * x)
+
+    def loss(x: F64) -> float:
+        z = features @ x
+        return float(np.mean(np.logaddexp(0.0, z) - labels * z) + 0.5 * l2 * x @ x)
+
+    return Problem(
+        "logistic",
+        "minibatch logistic regression, 256 x 9, batch 32, L2 1e-2",
+        rng.standard_normal(d + 1) * 0.5,
+        ((8,), (1,)),
+        grad,
+        loss,
+    )
+
+
+def _spiky() -> Problem:
+    # Noisy diagonal quadratic whose gradient noise is mostly small with rare
+    # huge spikes (1% of entries, x1000): the stream QHAdam's nu2 < 1 tames.
+    rng = np.random.default_rng(3)
+    n, horizon = 10, 4096
+    curvature = np.logspace(-1, 1, n)
+    x_star = rng.uniform(0.5, 2.0, n)
+    noise = 0.01 * rng.standard_normal((horizon, n))
+    spikes = rng.random((horizon, n)) < 0.01
+    noise[spikes] *= 1000.0
+    x0 = x_star + rng.standard_normal(n)
+
+    return Problem(
+        "spiky",
+        "diagonal quadratic with heavy-tailed gradient noise (1% spikes x1000)",
+        x0,
+        ((5, 2),),
+        lambda x, t: curvature * (x - x_star) + noise[t % horizon],
+        lambda x: 0.5 * float(np.sum(curvature * (x - x_star) ** 2)),
+    )
+
+
+_FACTORIES: dict[str, Callable[[], Problem]] = {
+    "quadratic": _quadratic,
+    "rosenbrock": _rosenbrock,
+    "logistic": _logistic,
+    "spiky": _spiky,
+}
+PROBLEMS = tuple(_FACTORIES)
+
+
+@cache
+def get_problem(name: str) -> Problem:
+    try:
+        return _FACTORIES[name]()
+    except KeyError:
+        raise KeyError(f"unknown problem {name!r}; known: {', '.join(PROBLEMS)}") from None

@@ -1,0 +1,109 @@
+"""The test matrix. ``nox`` runs every session; ``nox -s NAME`` one of them.
+
+Sessions:
+  tests        core unit, property and analysis tests (numpy only)
+  conformance  the conformance table (reference + numpy adapter) and the
+               recovery table (QHM/QHAdam vs the algorithms they recover)
+  lint         ruff (lint + format check) and mypy --strict on the core
+  torch        qhoptim.torch: its tests and its conformance rows
+  demo         one problem through every installed backend, agreement printed
+
+Every install uses ``.ci/constraints.txt`` (pins torch to the offline CPU wheel).
+Set QHOPTIM_NOX_ENVDIR to keep the virtualenvs outside the checkout (CI does);
+they are then reused between runs, but every install step still runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))
+ARTIFACTS = ROOT / "artifacts"
+BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras")
+
+nox.options.sessions = ["lint", "tests", "conformance"]
+nox.options.error_on_missing_interpreters = True
+if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
+    nox.options.envdir = envdir
+    nox.options.reuse_existing_virtualenvs = True
+
+PYTHON = "3.11"
+
+
+def _install(session: nox.Session, extras: str) -> None:
+    session.install("-e", f".[{extras}]", *CONSTRAINTS)
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    # pytest exits 5 when it collects nothing; nox treats any non-zero exit
+    # as a failure, so an empty run can never pass silently.
+    session.run("python", "-m", "pytest", *args, *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    _install(session, "test")
+    ignores = [f"--ignore={p}" for p in BACKEND_TESTS]
+    _pytest(session, "tests", *ignores)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "--doctest-modules",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "qhoptim/rules.py",
+        "qhoptim/reference.py",
+    )
+
+
+@nox.session(python=PYTHON)
+def conformance(session: nox.Session) -> None:
+    _install(session, "test")
+    ARTIFACTS.mkdir(exist_ok=True)
+    session.run(
+        "python",
+        "-m",
+        "conformance",
+        "--backends",
+        "numpy",
+        "--markdown",
+        str(ARTIFACTS / "conformance-numpy.md"),
+    )
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6", "mypy>=1.10", "numpy", *CONSTRAINTS)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def torch(session: nox.Session) -> None:
+    _install(session, "test,torch")
+    _pytest(session, "tests/torch")
+    ARTIFACTS.mkdir(exist_ok=True)
+    session.run(
+        "python",
+        "-m",
+        "conformance",
+        "--backends",
+        "torch",
+        "torch-foreach",
+        "--markdown",
+        str(ARTIFACTS / "conformance-torch.md"),
+    )
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    extras = session.posargs[0] if session.posargs else "torch"
+    _install(session, f"test,{extras}")
+    session.run("python", "-m", "conformance.demo")

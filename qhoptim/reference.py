@@ -1,0 +1,185 @@
+"""Float64 NumPy reference implementations of QHM, QHAdam and QHAdamW.
+
+These are the oracle of the conformance suite: every backend's trajectory is
+compared with them. They are deliberately plain -- one parameter array at a
+time, no in-place tricks -- and take all their math from :mod:`qhoptim.rules`.
+
+They are also usable directly, e.g. to prototype on small NumPy problems::
+
+    >>> import numpy as np
+    >>> from qhoptim.reference import QHM
+    >>> opt = QHM(lr=1.0, momentum=0.999, nu=0.7)
+    >>> theta = np.array([1.0, -2.0])
+    >>> state = opt.init(theta)
+    >>> theta, state = opt.step(theta, 2 * theta, state)   # gradient of |theta|^2
+    >>> theta
+    array([ 0.3986, -0.7972])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from qhoptim import rules, validation
+
+__all__ = ["QHM", "QHAdam", "QHAdamState", "QHAdamW", "QHMState"]
+
+Array = NDArray[np.floating] | NDArray[np.complexfloating]
+
+
+def _as64(x: object) -> Array:
+    a = np.asarray(x)
+    return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
+
+
+def _abs_sq(x: Array) -> Array:
+    # |x|^2 without a square root; exactly x*x for real input.
+    return (x * np.conj(x)).real
+
+
+class QHMState(NamedTuple):
+    """QHM's state: the normalized momentum buffer ``g``."""
+
+    momentum_buffer: Array
+
+
+class QHAdamState(NamedTuple):
+    """QHAdam's state: the step count and both moment EWMAs."""
+
+    step: int
+    exp_avg: Array
+    exp_avg_sq: Array
+
+
+@dataclass(frozen=True)
+class QHM:
+    """Quasi-hyperbolic momentum (Ma & Yarats, 2019), float64 reference.
+
+    Args:
+      lr: the learning rate ``alpha``.
+      momentum: ``beta``, discount factor of the normalized momentum buffer.
+      nu: immediate discount factor (any finite real).
+      weight_decay: ``lambda``.
+      decoupled_weight_decay: ``False`` adds ``lambda * theta`` to the gradient
+        (L2); ``True`` multiplies ``theta`` by ``1 - lr * lambda`` before the step.
+    """
+
+    lr: float
+    momentum: float = 0.999
+    nu: float = 0.7
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        validation.check_qhm(
+            lr=self.lr, momentum=self.momentum, nu=self.nu, weight_decay=self.weight_decay
+        )
+
+    def init(self, param: object) -> QHMState:
+        return QHMState(np.zeros_like(_as64(param)))
+
+    def step(
+        self, param: object, grad: object, state: QHMState, lr: float | None = None
+    ) -> tuple[Array, QHMState]:
+        """Return ``(theta_{t+1}, state_{t+1})``; ``lr`` overrides ``self.lr`` (schedules)."""
+        lr = self.lr if lr is None else validation.check_lr(lr)
+        theta, g = _as64(param), _as64(grad)
+        g, decay = rules.weight_decay_terms(
+            g, theta, lr=lr, weight_decay=self.weight_decay, decoupled=self.decoupled_weight_decay
+        )
+        buf, direction = rules.qhm_update(
+            g, state.momentum_buffer, momentum=self.momentum, nu=self.nu
+        )
+        return rules.apply_update(theta, direction, lr, decay), QHMState(buf)
+
+
+@dataclass(frozen=True)
+class QHAdam:
+    """QHAdam (Ma & Yarats, 2019), float64 reference.
+
+    Args:
+      lr: the learning rate ``alpha``.
+      betas: ``(beta1, beta2)``, discount factors of the two moment EWMAs.
+      nus: ``(nu1, nu2)``, immediate discount factors; ``(1, 1)`` is Adam.
+      eps: added to the denominator after the square root.
+      weight_decay: ``lambda``.
+      decoupled_weight_decay: ``False`` is L2 decay through the gradient,
+        ``True`` is AdamW-style decoupled decay.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    nus: tuple[float, float] = (1.0, 1.0)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        validation.check_qhadam(
+            lr=self.lr,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            nu1=self.nus[0],
+            nu2=self.nus[1],
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            names={"beta1": "betas[0]", "beta2": "betas[1]", "nu1": "nus[0]", "nu2": "nus[1]"},
+        )
+
+    def init(self, param: object) -> QHAdamState:
+        theta = _as64(param)
+        return QHAdamState(0, np.zeros_like(theta), np.zeros(theta.shape, np.float64))
+
+    def step(
+        self,
+        param: object,
+        grad: object,
+        state: QHAdamState,
+        lr: float | None = None,
+        *,
+        bias_correction: bool = True,
+    ) -> tuple[Array, QHAdamState]:
+        """Return ``(theta_{t+1}, state_{t+1})``; ``lr`` overrides ``self.lr``.
+
+        ``bias_correction=False`` drops the moments' bias correction; it exists
+        only to state the paper's "modulo bias correction" recoveries exactly.
+        """
+        lr = self.lr if lr is None else validation.check_lr(lr)
+        theta, g = _as64(param), _as64(grad)
+        g, decay = rules.weight_decay_terms(
+            g, theta, lr=lr, weight_decay=self.weight_decay, decoupled=self.decoupled_weight_decay
+        )
+        step = state.step + 1
+        beta1, beta2 = self.betas
+        bc1, bc2 = (
+            (rules.bias_correction(beta1, step), rules.bias_correction(beta2, step))
+            if bias_correction
+            else (1.0, 1.0)
+        )
+        exp_avg, exp_avg_sq, update = rules.qhadam_update(
+            g,
+            state.exp_avg,
+            state.exp_avg_sq,
+            beta1=beta1,
+            beta2=beta2,
+            nu1=self.nus[0],
+            nu2=self.nus[1],
+            eps=self.eps,
+            bias_correction1=bc1,
+            bias_correction2=bc2,
+            sqrt=np.sqrt,
+            square=_abs_sq,
+        )
+        return rules.apply_update(theta, update, lr, decay), QHAdamState(step, exp_avg, exp_avg_sq)
+
+
+@dataclass(frozen=True)
+class QHAdamW(QHAdam):
+    """QHAdam with decoupled weight decay (``theta *= 1 - lr * weight_decay``), as AdamW."""
+
+    weight_decay: float = 1e-2
+    decoupled_weight_decay: bool = True

@@ -1,0 +1,207 @@
+r"""The quasi-hyperbolic update rules, defined once.
+
+Every backend -- the float64 NumPy reference, torch, Keras and optax -- takes
+its math from this module. The rules are pure functions over *arrays* that use
+only Python arithmetic operators plus the few element-wise operations passed in
+explicitly (``sqrt``, optionally ``square``). NumPy arrays, ``jax.numpy`` arrays,
+``keras.ops`` tensors and torch tensors all satisfy that contract, so the same
+function runs everywhere and XLA fuses it into one kernel.
+
+The *scalar* parts of each rule (the mixing weights, bias corrections, the
+decoupled-decay factor) are separate functions returning plain coefficients.
+Fast paths that must use in-place kernels (torch's ``_foreach_*`` ops) apply
+those coefficients instead of re-deriving them; the conformance suite checks
+that the fast path and :func:`qhm_update` / :func:`qhadam_update` agree.
+
+QHM (Ma & Yarats, 2019, section 3), with a normalized momentum buffer:
+
+.. math::
+
+    g_{t+1} &= \beta g_t + (1 - \beta) \nabla_t \\
+    \theta_{t+1} &= \theta_t - \alpha \left[(1 - \nu) \nabla_t + \nu g_{t+1}\right]
+
+QHAdam (section 5), with bias-corrected moments and :math:`\epsilon` added
+after the square root:
+
+.. math::
+
+    g_{t+1} &= \beta_1 g_t + (1 - \beta_1) \nabla_t, \quad
+    g'_{t+1} = g_{t+1} / (1 - \beta_1^{t+1}) \\
+    s_{t+1} &= \beta_2 s_t + (1 - \beta_2) \nabla_t^2, \quad
+    s'_{t+1} = s_{t+1} / (1 - \beta_2^{t+1}) \\
+    \theta_{t+1} &= \theta_t - \alpha \,
+      \frac{(1 - \nu_1) \nabla_t + \nu_1 g'_{t+1}}
+           {\sqrt{(1 - \nu_2) \nabla_t^2 + \nu_2 s'_{t+1}} + \epsilon}
+
+Weight decay comes in two forms, both defined here: *coupled* (L2) decay adds
+:math:`\lambda \theta` to the gradient (:func:`coupled_weight_decay`, a new
+array: the caller's gradient is never mutated), *decoupled* decay (AdamW,
+Loshchilov & Hutter 2019) multiplies the parameter by
+:math:`1 - \alpha \lambda` before the update (:func:`decoupled_decay_factor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = [
+    "QHAdamCoefficients",
+    "QHMCoefficients",
+    "apply_update",
+    "bias_correction",
+    "coupled_weight_decay",
+    "decoupled_decay_factor",
+    "ewma",
+    "qhadam_coefficients",
+    "qhadam_update",
+    "qhm_coefficients",
+    "qhm_update",
+    "weight_decay_terms",
+]
+
+Array = Any  # any array type supporting + - * / with scalars and arrays
+
+
+class QHMCoefficients(NamedTuple):
+    """Scalar weights of one QHM step.
+
+    ``momentum_buffer = buffer_decay * momentum_buffer + grad_to_buffer * grad``;
+    ``direction = grad_weight * grad + buffer_weight * momentum_buffer``.
+    """
+
+    buffer_decay: Any  # beta
+    grad_to_buffer: Any  # 1 - beta
+    grad_weight: Any  # 1 - nu
+    buffer_weight: Any  # nu
+
+
+class QHAdamCoefficients(NamedTuple):
+    """Scalar weights of one QHAdam step, bias corrections folded in.
+
+    ``numerator = grad_weight * grad + exp_avg_weight * exp_avg`` and
+    ``denominator = sqrt(grad_sq_weight * grad**2 + exp_avg_sq_weight * exp_avg_sq) + eps``.
+    """
+
+    grad_weight: Any  # 1 - nu1
+    exp_avg_weight: Any  # nu1 / (1 - beta1**t)
+    grad_sq_weight: Any  # 1 - nu2
+    exp_avg_sq_weight: Any  # nu2 / (1 - beta2**t)
+
+
+def ewma(average: Array, value: Array, beta: Any) -> Array:
+    """One step of an exponentially weighted moving average: ``beta*avg + (1-beta)*value``."""
+    return beta * average + (1 - beta) * value
+
+
+def bias_correction(beta: Any, step: Any) -> Any:
+    """``1 - beta**step``: the mass an EWMA started at zero has after ``step`` updates.
+
+    ``step`` counts updates *including* the current one (1 on the first step).
+    Works on Python numbers and on traced scalars (``beta ** step`` only).
+    """
+    return 1 - beta**step
+
+
+def decoupled_decay_factor(lr: Any, weight_decay: Any) -> Any:
+    """Multiplier ``1 - lr * weight_decay`` applied to the parameter (AdamW-style)."""
+    return 1 - lr * weight_decay
+
+
+def coupled_weight_decay(grad: Array, param: Array, weight_decay: Any) -> Array:
+    """L2-regularized gradient ``grad + weight_decay * param`` (a new array)."""
+    return grad + weight_decay * param
+
+
+def weight_decay_terms(
+    grad: Array, param: Array, *, lr: Any, weight_decay: Any, decoupled: bool
+) -> tuple[Array, Any]:
+    """Fold weight decay into a step: return ``(grad, decay_factor)``.
+
+    Coupled (L2) decay returns ``grad + weight_decay * param`` and factor 1;
+    decoupled decay returns ``grad`` unchanged and ``1 - lr * weight_decay``.
+    Feed both to the rule and to :func:`apply_update`.
+    """
+    if decoupled:
+        return grad, decoupled_decay_factor(lr, weight_decay)
+    return coupled_weight_decay(grad, param, weight_decay), 1
+
+
+def apply_update(param: Array, update: Array, lr: Any, decay_factor: Any = 1) -> Array:
+    """``param * decay_factor - lr * update``: the final parameter step of every rule."""
+    return param * decay_factor - lr * update
+
+
+def qhm_coefficients(momentum: Any, nu: Any) -> QHMCoefficients:
+    """The scalar weights of QHM for discount ``momentum`` (beta) and immediate discount ``nu``."""
+    return QHMCoefficients(momentum, 1 - momentum, 1 - nu, nu)
+
+
+def qhm_update(
+    grad: Array, momentum_buffer: Array, *, momentum: Any, nu: Any
+) -> tuple[Array, Array]:
+    """One QHM step before the learning rate.
+
+    Args:
+      grad: the (already decayed / negated) gradient ``nabla_t``.
+      momentum_buffer: ``g_t``, the normalized momentum buffer (zeros initially).
+      momentum: ``beta``, the momentum buffer's exponential discount factor.
+      nu: the immediate discount factor; ``nu = 0`` is SGD, ``nu = 1`` momentum,
+        ``nu = beta`` Nesterov's accelerated gradient.
+
+    Returns:
+      ``(g_{t+1}, direction)`` with ``theta_{t+1} = theta_t - lr * direction``.
+    """
+    c = qhm_coefficients(momentum, nu)
+    momentum_buffer = ewma(momentum_buffer, grad, momentum)
+    direction = c.grad_weight * grad + c.buffer_weight * momentum_buffer
+    return momentum_buffer, direction
+
+
+def qhadam_coefficients(
+    nu1: Any, nu2: Any, bias_correction1: Any, bias_correction2: Any
+) -> QHAdamCoefficients:
+    """The scalar weights of QHAdam given both bias corrections (see :func:`bias_correction`)."""
+    return QHAdamCoefficients(1 - nu1, nu1 / bias_correction1, 1 - nu2, nu2 / bias_correction2)
+
+
+def qhadam_update(
+    grad: Array,
+    exp_avg: Array,
+    exp_avg_sq: Array,
+    *,
+    beta1: Any,
+    beta2: Any,
+    nu1: Any,
+    nu2: Any,
+    eps: Any,
+    bias_correction1: Any,
+    bias_correction2: Any,
+    sqrt: Callable[[Array], Array],
+    square: Callable[[Array], Array] | None = None,
+) -> tuple[Array, Array, Array]:
+    """One QHAdam step before the learning rate.
+
+    Args:
+      grad: the (already decayed / negated) gradient ``nabla_t``.
+      exp_avg: ``g_t``, the first-moment EWMA (zeros initially).
+      exp_avg_sq: ``s_t``, the second-moment EWMA (zeros initially).
+      beta1, beta2: the moments' discount factors.
+      nu1, nu2: immediate discount factors; ``nu1 = nu2 = 1`` is Adam.
+      eps: added to the denominator *after* the square root and bias correction.
+      bias_correction1, bias_correction2: ``1 - beta**t`` for the step ``t``
+        being taken (:func:`bias_correction`); pass ``1`` to drop bias correction.
+      sqrt: element-wise square root of the backend.
+      square: element-wise ``|x|**2`` of the backend (default ``x * x``; pass
+        ``|x|**2`` for complex gradients so the second moment stays real).
+
+    Returns:
+      ``(g_{t+1}, s_{t+1}, update)`` with ``theta_{t+1} = theta_t - lr * update``.
+    """
+    grad_sq = grad * grad if square is None else square(grad)
+    exp_avg = ewma(exp_avg, grad, beta1)
+    exp_avg_sq = ewma(exp_avg_sq, grad_sq, beta2)
+    c = qhadam_coefficients(nu1, nu2, bias_correction1, bias_correction2)
+    numerator = c.grad_weight * grad + c.exp_avg_weight * exp_avg
+    denominator = sqrt(c.grad_sq_weight * grad_sq + c.exp_avg_sq_weight * exp_avg_sq) + eps
+    return exp_avg, exp_avg_sq, numerator / denominator

@@ -1,0 +1,190 @@
+"""Hyperparameter validation shared by every backend.
+
+Every backend calls these checks with its own argument names (``momentum`` in
+torch, ``beta_1`` in Keras, ``b1`` in optax), so a bad value produces the same
+sentence everywhere::
+
+    ValueError: momentum must be in [0, 1); received momentum=1.2
+
+Only *concrete* numbers are checked: Python and NumPy reals. Anything else -- a
+traced array under ``jax.jit`` or ``optax.inject_hyperparams``, a tensor, a
+learning-rate schedule or callable -- is returned untouched, because its value
+is not known (or not cheaply knowable) when the optimizer is built.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import TypeVar
+
+__all__ = [
+    "check_beta",
+    "check_eps",
+    "check_finite",
+    "check_lr",
+    "check_nu",
+    "check_nu2",
+    "check_qhadam",
+    "check_qhm",
+    "check_unit_interval",
+    "check_weight_decay",
+    "concrete_float",
+]
+
+T = TypeVar("T")
+
+
+def concrete_float(value: object) -> float | None:
+    """Return ``value`` as a float if it is a concrete real number, else ``None``.
+
+    Python ``int``/``float``, NumPy scalars and 0-d NumPy arrays are concrete.
+    Booleans are not numbers here (``momentum=True`` is a mistake, not ``1``).
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"expected a real number, received the bool {value!r}")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    # 0-d numpy arrays (but no other array type: those may be traced values).
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _fmt(x: float) -> str:
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:g}"
+
+
+def _shown(value: object, x: float) -> str:
+    # Python numbers print as typed; NumPy scalars print as plain floats,
+    # not as ``np.float64(1.2)``.
+    return repr(value) if type(value) in (int, float) else repr(x)
+
+
+def _check_range(
+    value: T,
+    name: str,
+    low: float,
+    high: float,
+    *,
+    low_closed: bool = True,
+    high_closed: bool = False,
+) -> T:
+    x = concrete_float(value)
+    if x is None:
+        return value
+    ok = not math.isnan(x)
+    ok = ok and (x >= low if low_closed else x > low)
+    ok = ok and (x <= high if high_closed else x < high)
+    if not ok:
+        interval = (
+            ("[" if low_closed else "(")
+            + f"{_fmt(low)}, {_fmt(high)}"
+            + ("]" if high_closed else ")")
+        )
+        raise ValueError(f"{name} must be in {interval}; received {name}={_shown(value, x)}")
+    return value
+
+
+def check_finite(value: T, name: str) -> T:
+    """Any finite real (QHM's ``nu``, QHAdam's ``nu1``)."""
+    x = concrete_float(value)
+    if x is not None and not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite real number; received {name}={_shown(value, x)}")
+    return value
+
+
+def check_lr(value: T, name: str = "lr") -> T:
+    """Learning rate: ``0 <= lr < inf``."""
+    return _check_range(value, name, 0.0, math.inf)
+
+
+def check_beta(value: T, name: str) -> T:
+    """Exponential discount factor: ``0 <= beta < 1``."""
+    return _check_range(value, name, 0.0, 1.0)
+
+
+def check_unit_interval(value: T, name: str) -> T:
+    """A weight in the closed interval ``[0, 1]``."""
+    return _check_range(value, name, 0.0, 1.0, high_closed=True)
+
+
+def check_eps(value: T, name: str = "eps") -> T:
+    """Denominator offset: ``0 <= eps < inf``."""
+    return _check_range(value, name, 0.0, math.inf)
+
+
+def check_weight_decay(value: T, name: str = "weight_decay") -> T:
+    """Weight decay: ``0 <= weight_decay < inf``."""
+    return _check_range(value, name, 0.0, math.inf)
+
+
+def check_nu(value: T, name: str = "nu") -> T:
+    """Immediate discount factor of QHM / ``nu1`` of QHAdam: any finite real.
+
+    Conversions from other algorithms legitimately produce values outside
+    ``[0, 1]`` (e.g. PID or AccSGD settings), so no range is imposed.
+    """
+    return check_finite(value, name)
+
+
+def check_nu2(value: T, name: str = "nu2") -> T:
+    """QHAdam's ``nu2`` must lie in ``[0, 1]``.
+
+    Outside that interval ``(1 - nu2) g**2 + nu2 * s`` can be negative and
+    its square root is undefined.
+    """
+    return check_unit_interval(value, name)
+
+
+def check_qhm(
+    *,
+    lr: object,
+    momentum: object,
+    nu: object,
+    weight_decay: object = 0.0,
+    names: dict[str, str] | None = None,
+) -> None:
+    """Validate a full QHM hyperparameter set (``names`` maps to backend spellings)."""
+    n = {"lr": "lr", "momentum": "momentum", "nu": "nu", "weight_decay": "weight_decay"}
+    n.update(names or {})
+    check_lr(lr, n["lr"])
+    check_beta(momentum, n["momentum"])
+    check_nu(nu, n["nu"])
+    check_weight_decay(weight_decay, n["weight_decay"])
+
+
+def check_qhadam(
+    *,
+    lr: object,
+    beta1: object,
+    beta2: object,
+    nu1: object,
+    nu2: object,
+    eps: object,
+    weight_decay: object = 0.0,
+    names: dict[str, str] | None = None,
+) -> None:
+    """Validate a full QHAdam hyperparameter set (``names`` maps to backend spellings)."""
+    n = {
+        "lr": "lr",
+        "beta1": "beta1",
+        "beta2": "beta2",
+        "nu1": "nu1",
+        "nu2": "nu2",
+        "eps": "eps",
+        "weight_decay": "weight_decay",
+    }
+    n.update(names or {})
+    check_lr(lr, n["lr"])
+    check_beta(beta1, n["beta1"])
+    check_beta(beta2, n["beta2"])
+    check_nu(nu1, n["nu1"])
+    check_nu2(nu2, n["nu2"])
+    check_eps(eps, n["eps"])
+    check_weight_decay(weight_decay, n["weight_decay"])
