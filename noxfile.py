@@ -6,6 +6,7 @@ Sessions:
                recovery table (QHM/QHAdam vs the algorithms they recover)
   lint         ruff (lint + format check) and mypy --strict on the core
   torch        qhoptim.torch: its tests and its conformance rows
+  optax        qhoptim.optax: its tests, doctests, example and conformance rows
   demo         one problem through every installed backend, agreement printed
 
 Every install uses ``.ci/constraints.txt`` (pins torch to the offline CPU wheel).
@@ -25,7 +26,7 @@ CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))
 ARTIFACTS = ROOT / "artifacts"
 BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras")
 
-nox.options.sessions = ["lint", "tests", "conformance"]
+nox.options.sessions = ["lint", "tests", "conformance", "optax"]
 nox.options.error_on_missing_interpreters = True
 if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
     nox.options.envdir = envdir
@@ -59,6 +60,8 @@ def tests(session: nox.Session) -> None:
         "no:cacheprovider",
         "qhoptim/rules.py",
         "qhoptim/reference.py",
+        "qhoptim/convert.py",
+        "qhoptim/analysis.py",
     )
 
 
@@ -75,6 +78,7 @@ def conformance(session: nox.Session) -> None:
         "--markdown",
         str(ARTIFACTS / "conformance-numpy.md"),
     )
+    session.run("python", "-m", "conformance.recovery")
 
 
 @nox.session(python=PYTHON)
@@ -103,7 +107,25 @@ def torch(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def optax(session: nox.Session) -> None:
+    _install(session, "test,jax")
+    session.install("flax", *CONSTRAINTS)  # the Flax example and checkpoint tests
+    _pytest(session, "tests/optax")
+    _pytest(session, "--doctest-modules", "-p", "no:cacheprovider", "qhoptim/optax.py")
+    ARTIFACTS.mkdir(exist_ok=True)
+    session.run(
+        "python",
+        "-m",
+        "conformance",
+        "--backends",
+        "optax",
+        "--markdown",
+        str(ARTIFACTS / "conformance-optax.md"),
+    )
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    extras = session.posargs[0] if session.posargs else "torch"
+    extras = session.posargs[0] if session.posargs else "torch,jax"
     _install(session, f"test,{extras}")
     session.run("python", "-m", "conformance.demo")

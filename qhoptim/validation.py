@@ -22,6 +22,7 @@ __all__ = [
     "check_beta",
     "check_eps",
     "check_finite",
+    "check_interval",
     "check_lr",
     "check_nu",
     "check_nu2",
@@ -30,6 +31,8 @@ __all__ = [
     "check_unit_interval",
     "check_weight_decay",
     "concrete_float",
+    "range_error",
+    "require_real",
 ]
 
 T = TypeVar("T")
@@ -66,7 +69,26 @@ def _shown(value: object, x: float) -> str:
     return repr(value) if type(value) in (int, float) else repr(x)
 
 
-def _check_range(
+def require_real(value: object, name: str) -> float:
+    """``value`` as a float; a ``TypeError`` if it is not a concrete real number.
+
+    For functions that compute with the value right away (conversions, the
+    analysis), where passing a traced value through is not an option.
+    """
+    x = concrete_float(value)
+    if x is None:
+        raise TypeError(f"{name} must be a real number; received {name}={value!r}")
+    return x
+
+
+def range_error(name: str, interval: str, value: object) -> ValueError:
+    """The shared message: ``<name> must be in <interval>; received <name>=<value>``."""
+    x = concrete_float(value)
+    shown = repr(value) if x is None else _shown(value, x)
+    return ValueError(f"{name} must be in {interval}; received {name}={shown}")
+
+
+def check_interval(
     value: T,
     name: str,
     low: float,
@@ -75,6 +97,10 @@ def _check_range(
     low_closed: bool = True,
     high_closed: bool = False,
 ) -> T:
+    """Check a concrete ``value`` lies in the interval from ``low`` to ``high``.
+
+    NaN is never inside; non-concrete values are returned unchecked.
+    """
     x = concrete_float(value)
     if x is None:
         return value
@@ -87,7 +113,7 @@ def _check_range(
             + f"{_fmt(low)}, {_fmt(high)}"
             + ("]" if high_closed else ")")
         )
-        raise ValueError(f"{name} must be in {interval}; received {name}={_shown(value, x)}")
+        raise range_error(name, interval, value)
     return value
 
 
@@ -101,27 +127,27 @@ def check_finite(value: T, name: str) -> T:
 
 def check_lr(value: T, name: str = "lr") -> T:
     """Learning rate: ``0 <= lr < inf``."""
-    return _check_range(value, name, 0.0, math.inf)
+    return check_interval(value, name, 0.0, math.inf)
 
 
 def check_beta(value: T, name: str) -> T:
     """Exponential discount factor: ``0 <= beta < 1``."""
-    return _check_range(value, name, 0.0, 1.0)
+    return check_interval(value, name, 0.0, 1.0)
 
 
 def check_unit_interval(value: T, name: str) -> T:
     """A weight in the closed interval ``[0, 1]``."""
-    return _check_range(value, name, 0.0, 1.0, high_closed=True)
+    return check_interval(value, name, 0.0, 1.0, high_closed=True)
 
 
 def check_eps(value: T, name: str = "eps") -> T:
     """Denominator offset: ``0 <= eps < inf``."""
-    return _check_range(value, name, 0.0, math.inf)
+    return check_interval(value, name, 0.0, math.inf)
 
 
 def check_weight_decay(value: T, name: str = "weight_decay") -> T:
     """Weight decay: ``0 <= weight_decay < inf``."""
-    return _check_range(value, name, 0.0, math.inf)
+    return check_interval(value, name, 0.0, math.inf)
 
 
 def check_nu(value: T, name: str = "nu") -> T:

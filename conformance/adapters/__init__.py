@@ -31,6 +31,7 @@ __all__ = ["REGISTRY", "Adapter", "closed_loop", "load_adapter"]
 
 REGISTRY: dict[str, str] = {
     "numpy": "conformance.adapters.numpy_rules:NumpyAdapter",
+    "optax": "conformance.adapters.optax:OptaxAdapter",
 }
 
 

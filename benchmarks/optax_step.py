@@ -1,0 +1,87 @@
+"""Time one jitted optimizer step (update + apply) of qhoptim.optax against optax.
+
+    python benchmarks/optax_step.py [--repeats 40]
+
+For ResNet-18-shaped float32 parameters and 500 tensors of 1,000 elements,
+with and without buffer donation, interleaving the optimizers round by round
+so they share the machine's state; prints the median ms per step and the ratio
+of each QH optimizer to its optax counterpart (QHM vs
+``optax.sgd(momentum=0.9, nesterov=True)``, QHAdam vs ``optax.adam``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import qhoptim.optax as qho
+from benchmarks.shapes import SUITES
+
+PAIRS = {
+    "qhm": (lambda: qho.qhm(0.1, 0.999, 0.7), "sgd-nesterov"),
+    "qhadam": (lambda: qho.qhadam(1e-3, nu1=0.7), "adam"),
+}
+BASELINES: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "sgd-nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(1e-3),
+}
+
+
+def _step_fn(tx: optax.GradientTransformation, donate: bool) -> Callable[..., Any]:
+    def step(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def bench(shapes: list[tuple[int, ...]], donate: bool, repeats: int) -> dict[str, float]:
+    key = jax.random.PRNGKey(0)
+    grads = [jax.random.normal(jax.random.fold_in(key, i), s) * 1e-3 for i, s in enumerate(shapes)]
+    factories = {name: make for name, (make, _) in PAIRS.items()} | BASELINES
+    runs = {}
+    for name, make in factories.items():
+        tx = make()
+        params = [jnp.ones(s, jnp.float32) for s in shapes]
+        runs[name] = [_step_fn(tx, donate), params, tx.init(params)]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(repeats + 5):  # 5 warm-up rounds (compilation included)
+        for name, run in runs.items():
+            step, params, state = run
+            t0 = time.perf_counter()
+            params, state = step(params, state, grads)
+            jax.block_until_ready(params)
+            if i >= 5:
+                times[name].append(time.perf_counter() - t0)
+            run[1], run[2] = params, state
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=40)
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, optax {optax.__version__}, device {jax.devices()[0]}")
+    print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / optax baseline\n")
+    print(
+        f"{'params':<10}{'donate':<8}{'optimizer':<14}{'ms':>9}{'baseline':>14}{'ms':>9}{'ratio':>8}"
+    )
+    for suite, shapes in SUITES.items():
+        for donate in (True, False):
+            ms = bench(shapes, donate, args.repeats)
+            for name, (_, base) in PAIRS.items():
+                print(
+                    f"{suite:<10}{donate!s:<8}{name:<14}{ms[name]:>9.2f}{base:>14}"
+                    f"{ms[base]:>9.2f}{ms[name] / ms[base]:>8.2f}"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Adapter for ``qhoptim.optax``: the public aliases, jitted, closed loop.
+
+float64 runs need ``jax_enable_x64``; it is switched on when this adapter is
+loaded (the conformance process owns its JAX configuration).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import qhoptim.optax as qho  # noqa: E402
+
+from ..cases import Case  # noqa: E402
+from . import closed_loop  # noqa: E402
+
+
+def make_transformation(case: Case, learning_rate: Any) -> optax.GradientTransformation:
+    """The optax optimizer a user would write for ``case`` (weight decay included)."""
+    hp, mode = case.hparams, case.weight_decay_mode
+    wd = hp.get("weight_decay", 0.0)
+    if case.optimizer == "qhm":
+        if mode == "decoupled":
+            return optax.chain(
+                qho.scale_by_qhm(hp["momentum"], hp["nu"]),
+                optax.add_decayed_weights(wd),
+                optax.scale_by_learning_rate(learning_rate),
+            )
+        tx = qho.qhm(learning_rate, hp["momentum"], hp["nu"])
+    else:
+        (b1, b2), (nu1, nu2) = hp["betas"], hp["nus"]
+        if mode == "decoupled":
+            return qho.qhadamw(learning_rate, b1, b2, nu1, nu2, hp["eps"], weight_decay=wd)
+        tx = qho.qhadam(learning_rate, b1, b2, nu1, nu2, hp["eps"])
+    return optax.chain(optax.add_decayed_weights(wd), tx) if mode == "coupled" else tx
+
+
+class OptaxAdapter:
+    name = "optax"
+
+    def available(self) -> bool:
+        return True
+
+    def supports(self, case: Case, dtype: str) -> bool:
+        return dtype in ("float32", "float64")
+
+    def run(self, case: Case, dtype: str) -> np.ndarray:
+        lrs = jnp.asarray(case.lrs, dtype=dtype)
+        tx = make_transformation(case, lambda count: lrs[count])
+        update = jax.jit(tx.update)
+
+        def make(params: list[jax.Array]) -> dict[str, Any]:
+            return {"state": tx.init(params)}
+
+        def step(h: dict[str, Any], params: list[Any], grads: list[Any], lr: float) -> Any:
+            updates, h["state"] = update(grads, h["state"], params)
+            return optax.apply_updates(params, updates)
+
+        return closed_loop(
+            case,
+            to_backend=lambda a: jnp.asarray(a, dtype=dtype),
+            to_numpy=np.asarray,
+            make=make,
+            step=step,
+        )

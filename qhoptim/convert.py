@@ -1,0 +1,635 @@
+r"""Conversions from other optimizers' hyperparameters to QHM / QHAdam.
+
+Every function takes a source algorithm's hyperparameters *under that
+algorithm's own definition* and returns the QHM (:class:`QHMParams`) or QHAdam
+(:class:`QHAdamParams`) hyperparameters whose trajectory is the same. Each
+function checks its preconditions and raises :class:`ValueError` naming the
+argument, the allowed range or condition and the value received, e.g.::
+
+    ValueError: momentum must be in [0, 1); received momentum=1.2
+
+QHM (Ma & Yarats, 2019, "Quasi-hyperbolic momentum and Adam for deep
+learning", ICLR, Sec. 3) uses a *normalized* momentum buffer:
+
+.. math::
+
+    g_{t+1} = \beta g_t + (1 - \beta) \nabla_t, \qquad
+    \theta_{t+1} = \theta_t - \alpha \left[(1 - \nu) \nabla_t + \nu g_{t+1}\right]
+
+Which are exact and which are not
+---------------------------------
+*Exact* conversions reproduce the source trajectory to rounding error from
+the usual initial state (zero buffers). The QHAdam conversions of NAdam and
+RMSProp hold only *modulo bias correction*: exactly when both sides drop their
+bias corrections (``qhoptim.reference.QHAdam.step(..., bias_correction=False)``).
+
+Every formula here was checked against a naive implementation of the source
+algorithm written from its own paper (``conformance/sources.py``); where the
+printed formula of Ma & Yarats (2019) disagreed with the numbers, the numbers
+won -- see ``docs/conversions.md``, section "Errata".
+
+This module imports only :mod:`math` and :mod:`qhoptim.validation`.
+"""
+
+# ruff: noqa: E741  (l is the papers' name: the smoothness constant L, TSO's l)
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from qhoptim import validation
+
+__all__ = [
+    "QHAdamParams",
+    "QHMParams",
+    "TwoStateInitialBuffer",
+    "from_accsgd",
+    "from_adam",
+    "from_an_pid",
+    "from_momentum",
+    "from_nadam",
+    "from_nesterov",
+    "from_pid",
+    "from_rmsprop",
+    "from_robust_momentum",
+    "from_sgd",
+    "from_synthesized_nesterov",
+    "from_triple_momentum",
+    "from_two_state_optimizer",
+    "two_state_initial_buffer",
+]
+
+# Relative tolerance for the equality conditions (a unit eigenvalue, a D-term
+# filter equal to the implied momentum): inputs are usually computed in floats.
+_RTOL = 1e-9
+
+
+class QHMParams(NamedTuple):
+    """QHM hyperparameters: ``lr`` (alpha), ``nu`` and ``momentum`` (beta)."""
+
+    lr: float
+    nu: float
+    momentum: float
+
+    def as_kwargs(self) -> dict[str, float]:
+        """``{"lr": ..., "momentum": ..., "nu": ...}``, e.g. ``QHM(params, **p.as_kwargs())``."""
+        return {"lr": self.lr, "momentum": self.momentum, "nu": self.nu}
+
+
+class QHAdamParams(NamedTuple):
+    """QHAdam hyperparameters: ``lr``, ``betas = (beta1, beta2)``, ``nus = (nu1, nu2)``, ``eps``."""
+
+    lr: float
+    betas: tuple[float, float]
+    nus: tuple[float, float]
+    eps: float
+
+    def as_kwargs(self) -> dict[str, float | tuple[float, float]]:
+        """``{"lr": ..., "betas": ..., "nus": ..., "eps": ...}``."""
+        return {"lr": self.lr, "betas": self.betas, "nus": self.nus, "eps": self.eps}
+
+
+class TwoStateInitialBuffer(NamedTuple):
+    """QHM's initial buffer for a two-state optimizer.
+
+    ``g_0 = a_scale * a_0 + theta_scale * theta_0``; see :func:`two_state_initial_buffer`.
+    """
+
+    a_scale: float
+    theta_scale: float
+
+
+# ----------------------------------------------------------------------- checks
+def _real(value: float, name: str) -> float:
+    """``value`` as a finite float (a concrete real number is required here)."""
+    x = validation.require_real(value, name)
+    validation.check_finite(value, name)
+    return x
+
+
+def _interval(
+    value: float,
+    name: str,
+    low: float,
+    high: float,
+    *,
+    low_closed: bool = True,
+    high_closed: bool = False,
+) -> float:
+    """``value`` as a float, checked to lie in the interval (validation's wording)."""
+    x = validation.require_real(value, name)
+    validation.check_interval(
+        value, name, low, high, low_closed=low_closed, high_closed=high_closed
+    )
+    return x
+
+
+def _received(**values: float) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
+
+
+def _momentum_in_range(beta: float, how: str, **values: float) -> float:
+    """The implied QHM momentum must satisfy QHM's ``0 <= momentum < 1``."""
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(
+            f"the QHM momentum {how} must be in [0, 1); "
+            f"received {_received(**values)} (momentum={beta:g})"
+        )
+    return beta
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= _RTOL * max(1.0, abs(a), abs(b))
+
+
+def _pair(value: Sequence[float], name: str) -> tuple[float, float]:
+    if isinstance(value, (str, bytes)) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair of two numbers; received {name}={value!r}")
+    return value[0], value[1]
+
+
+def _qhm(lr: float, nu: float, momentum: float) -> QHMParams:
+    # Safety net: every returned triple is valid for QHM.
+    validation.check_qhm(lr=lr, momentum=momentum, nu=nu)
+    return QHMParams(float(lr), float(nu), float(momentum))
+
+
+# ------------------------------------------------------------------ SGD family
+def from_sgd(lr: float) -> QHMParams:
+    r"""Plain SGD :math:`\theta_{t+1} = \theta_t - \alpha \nabla_t` as QHM (exact).
+
+    Source: Robbins & Monro (1951); Ma & Yarats (2019), Sec. 2 and Table 1.
+    Formula: :math:`\alpha = \mathrm{lr}`, :math:`\nu = 0`. With :math:`\nu = 0`
+    QHM never reads its buffer, so *any* :math:`\beta \in [0, 1)` works; this
+    returns ``momentum = 0.0``.
+
+    Preconditions: ``lr >= 0``.
+    """
+    return _qhm(validation.check_lr(_real(lr, "lr"), "lr"), 0.0, 0.0)
+
+
+def _heavy_ball(lr: float, momentum: float, nu: float | None) -> QHMParams:
+    lr = validation.check_lr(_real(lr, "lr"), "lr")
+    momentum = validation.check_beta(_real(momentum, "momentum"), "momentum")
+    return _qhm(lr / (1 - momentum), 1.0 if nu is None else momentum, momentum)
+
+
+def from_momentum(lr: float, momentum: float) -> QHMParams:
+    r"""Heavy-ball momentum with ``torch.optim.SGD`` semantics as QHM (exact).
+
+    Source: Polyak (1964) in the unnormalized form of Sutskever et al. (2013),
+    as ``torch.optim.SGD(lr, momentum, dampening=0, nesterov=False)`` defines it:
+    :math:`b_{t+1} = \mu b_t + \nabla_t`, :math:`\theta_{t+1} = \theta_t - \eta b_{t+1}`.
+    Ma & Yarats (2019), Sec. 2, Sec. 7.1 ("Practical suggestions").
+
+    Formula: the unnormalized buffer is :math:`b = g / (1 - \beta)`, so
+
+    .. math:: \alpha = \frac{\eta}{1 - \mu}, \quad \nu = 1, \quad \beta = \mu
+
+    e.g. ``from_momentum(0.1, 0.9) == QHMParams(lr=1.0, nu=1.0, momentum=0.9)``
+    (up to rounding). Only ``dampening=0`` is covered: torch seeds the buffer
+    with the undampened first gradient.
+
+    Preconditions: ``lr >= 0``; ``0 <= momentum < 1``.
+    """
+    return _heavy_ball(lr, momentum, None)
+
+
+def from_nesterov(lr: float, momentum: float) -> QHMParams:
+    r"""Nesterov's accelerated gradient with ``torch.optim.SGD(nesterov=True)`` semantics (exact).
+
+    Source: Nesterov (1983) in the form of Sutskever et al. (2013) as
+    ``torch.optim.SGD`` implements it: :math:`b_{t+1} = \mu b_t + \nabla_t`,
+    :math:`\theta_{t+1} = \theta_t - \eta (\nabla_t + \mu b_{t+1})`.
+    Ma & Yarats (2019), Sec. 4.1 (NAG is QHM with :math:`\nu = \beta`).
+
+    Formula:
+
+    .. math:: \alpha = \frac{\eta}{1 - \mu}, \quad \nu = \mu, \quad \beta = \mu
+
+    Preconditions: ``lr >= 0``; ``0 <= momentum < 1`` (``dampening=0``).
+    """
+    return _heavy_ball(lr, momentum, 0.0)
+
+
+# ------------------------------------------------------------------------- PID
+def from_pid(k_p: float, k_i: float, k_d: float, *, beta: float | None = None) -> QHMParams:
+    r"""Recht's PID control optimizer as QHM (exact).
+
+    Source: B. Recht (2018), "The best things in life are model free", arg min
+    blog (PID control view of gradient methods), in the form of Ma & Yarats
+    (2019), Sec. 4.2 and App. B/C.3, with error :math:`e_t = -\nabla_t` and a
+    low-pass-filtered D term:
+
+    .. math::
+
+        v_t = \beta v_{t-1} + (1-\beta)(e_t - e_{t-1}), \quad
+        w_t = w_{t-1} + e_t, \quad
+        \theta_{t+1} = \theta_0 + k_P e_t + k_I w_t + k_D v_t
+
+    Formula (App. C.3, verified numerically):
+
+    .. math::
+
+        \alpha = k_I, \quad \nu = \frac{k_P^2}{k_D k_I}, \quad
+        \beta = \frac{k_D}{k_D - k_P}
+
+    QHM recovers a PID controller only if its D-term filter discount equals
+    :math:`k_D / (k_D - k_P)`; pass that discount as ``beta`` to have it
+    checked. ``k_P = k_D = 0`` is plain SGD with step :math:`k_I` (``nu = 0``).
+
+    Preconditions: finite gains; either ``k_p == k_d == 0`` and ``k_i >= 0``,
+    or ``k_i > 0`` and ``k_p``, ``k_d`` nonzero with opposite signs (so that
+    ``0 < k_d / (k_d - k_p) < 1``); P, D, PD and PI controllers are not
+    recoverable. If given, ``beta`` must equal ``k_d / (k_d - k_p)``.
+    """
+    k_p, k_i, k_d = _real(k_p, "k_p"), _real(k_i, "k_i"), _real(k_d, "k_d")
+    if beta is not None:
+        beta = validation.check_beta(_real(beta, "beta"), "beta")
+    if k_p == 0.0 and k_d == 0.0:
+        return from_sgd(validation.check_lr(k_i, "k_i"))
+    if k_d == 0.0:
+        raise ValueError(
+            "k_d must be nonzero when k_p is nonzero (a PI controller is not recoverable "
+            f"by QHM); received {_received(k_p=k_p, k_d=k_d)}"
+        )
+    _interval(k_i, "k_i", 0.0, math.inf, low_closed=False)
+    if k_d == k_p:
+        raise ValueError(
+            "k_p and k_d must have opposite signs so that the QHM momentum "
+            f"k_d / (k_d - k_p) is in [0, 1); received {_received(k_p=k_p, k_d=k_d)}"
+        )
+    momentum = _momentum_in_range(
+        k_d / (k_d - k_p), "k_d / (k_d - k_p) (k_p and k_d of opposite signs)", k_p=k_p, k_d=k_d
+    )
+    if beta is not None and not _close(beta, momentum):
+        raise ValueError(
+            f"beta (the D-term filter discount) must equal k_d / (k_d - k_p) = {momentum:.12g} "
+            f"for QHM to recover the controller; received beta={beta!r}"
+        )
+    return _qhm(k_i, k_p * k_p / (k_d * k_i), momentum)
+
+
+def from_an_pid(r: float, k_d: float, beta: float) -> QHMParams:
+    r"""The PID optimizer of An et al. (2018) as QHM (exact).
+
+    Source: W. An, H. Wang, Q. Sun, J. Xu, Q. Dai, L. Zhang (2018), "A PID
+    controller approach for stochastic optimization of deep networks", CVPR,
+    Sec. 3 (the PID optimizer), in the form of Ma & Yarats (2019), App. E
+    (``beta`` is An et al.'s :math:`\alpha`), :math:`e_t = -\nabla_t`:
+
+    .. math::
+
+        v_t = \beta v_{t-1} - (1-\beta)(e_t - e_{t-1}), \quad
+        w_t = \beta w_{t-1} + r e_t, \quad
+        \theta_{t+1} = \theta_t + w_t + k_D v_t
+
+    Formula (corrected; App. E prints :math:`\nu = 1 - \ldots`, see the errata
+    in ``docs/conversions.md``):
+
+    .. math::
+
+        \alpha = \frac{r}{1 - \beta}, \quad
+        \nu = 1 + \frac{k_D (1 - \beta)^2}{r \beta}, \quad \beta = \beta
+
+    With the D term's sign as printed (it *adds* :math:`k_D` times the filtered
+    gradient difference), a positive :math:`k_D` gives :math:`\nu > 1`.
+
+    Preconditions: ``r > 0``; ``0 < beta < 1``; ``k_d`` finite.
+    """
+    r = _interval(_real(r, "r"), "r", 0.0, math.inf, low_closed=False)
+    k_d = _real(k_d, "k_d")
+    beta = _interval(_real(beta, "beta"), "beta", 0.0, 1.0, low_closed=False)
+    return _qhm(r / (1 - beta), 1 + k_d * (1 - beta) ** 2 / (r * beta), beta)
+
+
+# ---------------------------------------------------------------- SNV, RM, TM
+def from_synthesized_nesterov(alpha: float, beta1: float, beta2: float) -> QHMParams:
+    r"""Lessard et al.'s synthesized Nesterov variant (SNV) as QHM (exact).
+
+    Source: L. Lessard, B. Recht, A. Packard (2016), "Analysis and design of
+    optimization algorithms via integral quadratic constraints", SIAM J. Optim.
+    26(1), Sec. 6; Ma & Yarats (2019), Sec. 4.3 and App. C.4 (where ``alpha``
+    is written :math:`\gamma`). With :math:`\xi_{-1} = \xi_0 = \theta_0`:
+
+    .. math::
+
+        \xi_{t+1} = \xi_t - \alpha \nabla L(\theta_t) + \beta_1 (\xi_t - \xi_{t-1}), \quad
+        \theta_{t+1} = \xi_{t+1} + \beta_2 (\xi_{t+1} - \xi_t)
+
+    QHM's :math:`\theta` is SNV's gradient point (:math:`y_k` in Lessard et al.).
+    Formula (App. C.4, verified numerically):
+
+    .. math::
+
+        \alpha_{QHM} = \frac{\alpha}{1 - \beta_1}, \quad
+        \nu = 1 - \frac{(1 - \beta_1) \beta_2}{\beta_1}, \quad \beta = \beta_1
+
+    ``beta1 = 0`` is accepted only with ``beta2 = 0`` (then SNV is plain SGD).
+
+    Preconditions: ``alpha >= 0``; ``0 <= beta1 < 1``; ``beta2`` finite.
+    """
+    alpha = validation.check_lr(_real(alpha, "alpha"), "alpha")
+    beta1 = validation.check_beta(_real(beta1, "beta1"), "beta1")
+    beta2 = _real(beta2, "beta2")
+    if beta1 == 0.0:
+        if beta2 != 0.0:
+            raise ValueError(
+                "beta2 must be 0 when beta1 = 0 (otherwise SNV is not a QHM); "
+                f"received {_received(beta1=beta1, beta2=beta2)}"
+            )
+        return from_sgd(alpha)
+    return _qhm(alpha / (1 - beta1), 1 - (1 - beta1) * beta2 / beta1, beta1)
+
+
+def from_robust_momentum(l: float, kappa: float, rho: float | None = None) -> QHMParams:
+    r"""The Robust Momentum Method as QHM (exact), via SNV.
+
+    Source: S. Cyrus, B. Hu, B. Van Scoy, L. Lessard (2018), "A robust
+    accelerated optimization algorithm for strongly convex functions", American
+    Control Conference (ACC): for an :math:`L`-smooth, :math:`\mu`-strongly
+    convex function with :math:`\kappa = L / \mu` and a rate
+    :math:`\rho \in [1 - 1/\sqrt\kappa, 1 - 1/\kappa]`,
+
+    .. math::
+
+        x_{k+1} = x_k + \beta_{RM} (x_k - x_{k-1}) - \alpha_{RM} \nabla f(y_k), \quad
+        y_k = x_k + \gamma_{RM} (x_k - x_{k-1}),
+
+        \alpha_{RM} = \frac{\kappa (1-\rho)^2 (1+\rho)}{L}, \quad
+        \beta_{RM} = \frac{\kappa \rho^3}{\kappa - 1}, \quad
+        \gamma_{RM} = \frac{\rho^3}{(\kappa - 1)(1-\rho)^2 (1+\rho)}
+
+    This is SNV with :math:`(\alpha, \beta_1, \beta_2) = (\alpha_{RM}, \beta_{RM},
+    \gamma_{RM})` (:func:`from_synthesized_nesterov`); QHM's :math:`\theta` is
+    :math:`y_k`. ``rho=None`` means :math:`\rho = 1 - 1/\sqrt\kappa`.
+
+    What was verified (``tests/test_convert.py``, ``conformance/recovery.toml``):
+    at :math:`\rho = 1 - 1/\sqrt\kappa` the three parameters equal Triple
+    Momentum's :math:`(1+\rho)/L`, :math:`\rho^2/(2-\rho)`,
+    :math:`\rho^2/((1+\rho)(2-\rho))` (Van Scoy et al., 2018) -- the paper's
+    claim that Robust Momentum recovers Triple Momentum; at
+    :math:`\rho = 1 - 1/\kappa` the method is gradient descent with step
+    :math:`1/L` (:math:`\nu = 0`, :math:`\alpha = 1/L`), the paper's other end
+    point; on quadratics with spectrum in :math:`[\mu, L]` the iteration's
+    spectral radius is at most :math:`\rho`; and closed-loop trajectories of the
+    naive method and of QHM agree to rounding error.
+
+    Preconditions: ``l > 0``; ``kappa > 1``;
+    ``1 - 1/sqrt(kappa) <= rho <= 1 - 1/kappa``.
+    """
+    l = _interval(_real(l, "l"), "l", 0.0, math.inf, low_closed=False)
+    kappa = _interval(_real(kappa, "kappa"), "kappa", 1.0, math.inf, low_closed=False)
+    lo, hi = 1 - 1 / math.sqrt(kappa), 1 - 1 / kappa
+    rho = lo if rho is None else _interval(_real(rho, "rho"), "rho", lo, hi, high_closed=True)
+    alpha = kappa * (1 - rho) ** 2 * (1 + rho) / l
+    beta = kappa * rho**3 / (kappa - 1)
+    gamma = rho**3 / ((kappa - 1) * (1 - rho) ** 2 * (1 + rho))
+    return from_synthesized_nesterov(alpha, beta, gamma)
+
+
+def from_triple_momentum(l: float, kappa: float) -> QHMParams:
+    r"""The Triple Momentum Method as QHM (exact), via SNV.
+
+    Source: B. Van Scoy, R. A. Freeman, K. M. Lynch (2018), "The fastest known
+    globally convergent first-order method for minimizing strongly convex
+    functions", IEEE Control Systems Letters 2(1). With
+    :math:`\rho = 1 - 1/\sqrt\kappa`:
+
+    .. math::
+
+        \xi_{k+1} = (1+\beta)\xi_k - \beta \xi_{k-1} - \alpha \nabla f(y_k), \quad
+        y_k = (1+\gamma)\xi_k - \gamma \xi_{k-1}, \quad
+        x_k = (1+\delta)\xi_k - \delta \xi_{k-1},
+
+        \alpha = \frac{1+\rho}{L}, \quad \beta = \frac{\rho^2}{2-\rho}, \quad
+        \gamma = \frac{\rho^2}{(1+\rho)(2-\rho)}, \quad \delta = \frac{\rho^2}{1-\rho^2}
+
+    SNV with :math:`(\alpha, \beta_1, \beta_2) = (\alpha, \beta, \gamma)`, hence
+
+    .. math::
+
+        \alpha_{QHM} = \frac{\alpha}{1-\beta}, \quad
+        \nu = 1 - \frac{(1-\beta)\gamma}{\beta}, \quad \beta_{QHM} = \beta
+
+    QHM's :math:`\theta` is the gradient point :math:`y_k`, not the output
+    :math:`x_k` (a different linear combination of the state). Equal to
+    ``from_robust_momentum(l, kappa)`` (Ma & Yarats, 2019, Sec. 4.3).
+
+    Preconditions: ``l > 0``; ``kappa >= 1`` (``kappa = 1`` is gradient descent
+    with step ``1/l``).
+    """
+    l = _interval(_real(l, "l"), "l", 0.0, math.inf, low_closed=False)
+    kappa = _interval(_real(kappa, "kappa"), "kappa", 1.0, math.inf)
+    rho = 1 - 1 / math.sqrt(kappa)
+    alpha = (1 + rho) / l
+    beta = rho**2 / (2 - rho)
+    gamma = rho**2 / ((1 + rho) * (2 - rho))
+    return from_synthesized_nesterov(alpha, beta, gamma)
+
+
+# ---------------------------------------------------------------------- AccSGD
+def from_accsgd(delta: float, kappa: float, xi: float, eps: float = 0.7) -> QHMParams:
+    r"""AccSGD of Kidambi et al. (2018) as QHM (exact).
+
+    Source: R. Kidambi, P. Netrapalli, P. Jain, S. M. Kakade (2018), "On the
+    insufficiency of existing momentum schemes for stochastic optimization",
+    ICLR, Algorithm 1 (and the authors' PyTorch ``AccSGD`` with ``lr = delta``,
+    ``kappa``, ``xi``, ``smallConst = eps``). With
+    :math:`\bar w_0 = w_0 = \theta_0`:
+
+    .. math::
+
+        \bar w_{t+1} = \left(1 - \tfrac{\epsilon^2 \xi}{\kappa}\right) \bar w_t
+            + \tfrac{\epsilon^2 \xi}{\kappa}
+              \left(w_t - \tfrac{\kappa \delta}{\epsilon} \nabla L(w_t)\right), \quad
+        w_{t+1} = \tfrac{\kappa}{\kappa + \epsilon \xi} (w_t - \delta \nabla L(w_t))
+            + \tfrac{\epsilon \xi}{\kappa + \epsilon \xi} \bar w_{t+1}
+
+    (Ma & Yarats, 2019, Sec. 4.4 / App. C.5 print this rule with the two
+    weights of each line swapped -- an erratum; their transition matrix and the
+    conversion below are for the rule above.) Formula (App. C.5, verified
+    numerically):
+
+    .. math::
+
+        \alpha = \frac{\delta \epsilon (1 + \xi)}{1 + \epsilon}, \quad
+        \nu = \frac{\epsilon \xi - 1}{\epsilon (1 + \xi)}, \quad
+        \beta = \frac{\kappa - \epsilon^2 \xi}{\kappa + \epsilon \xi}
+
+    Preconditions: ``delta > 0``; ``kappa > 1``; ``0 < xi <= sqrt(kappa)``;
+    ``0 < eps < 1`` (recommended 0.7).
+    """
+    delta = _interval(_real(delta, "delta"), "delta", 0.0, math.inf, low_closed=False)
+    kappa = _interval(_real(kappa, "kappa"), "kappa", 1.0, math.inf, low_closed=False)
+    xi = _interval(_real(xi, "xi"), "xi", 0.0, math.sqrt(kappa), low_closed=False, high_closed=True)
+    eps = _interval(_real(eps, "eps"), "eps", 0.0, 1.0, low_closed=False)
+    return _qhm(
+        delta * eps * (1 + xi) / (1 + eps),
+        (eps * xi - 1) / (eps * (1 + xi)),
+        (kappa - eps * eps * xi) / (kappa + eps * xi),
+    )
+
+
+# ------------------------------------------------------------------------- TSO
+def _two_state(
+    h: float, k: float, l: float, m: float, q: float, z: float
+) -> tuple[float, float, float, float]:
+    """Checked ``(alpha, nu, beta, alpha*nu*beta)`` of a two-state optimizer."""
+    h, k, l, m, q, z = (_real(v, n) for v, n in zip((h, k, l, m, q, z), "hklmqz", strict=True))
+    # theta's response to the state is governed by M = [[h, k], [m, q]]; QHM's
+    # has eigenvalues {1, beta}: det(M - I) = 0 and beta = trace(M) - 1.
+    if not _close((1 - h) * (1 - q), k * m):
+        raise ValueError(
+            "h, k, m, q must satisfy (1 - h) * (1 - q) = k * m (the transition matrix "
+            f"[[h, k], [m, q]] must have eigenvalue 1); received {_received(h=h, k=k, m=m, q=q)}"
+        )
+    beta = _momentum_in_range(h + q - 1, "h + q - 1", h=h, q=q)
+    # theta_t's weight on grad_{t-n} is -alpha + alpha*nu*beta**n = A + B*beta**n.
+    lead, tail = m * l + (1 - h) * z, (1 - q) * z - m * l
+    alpha = -lead / (1 - beta)
+    anb = tail / (1 - beta)
+    if alpha < 0.0:
+        raise ValueError(
+            "the QHM lr -(m*l + (1 - h)*z) / (2 - h - q) must be >= 0; "
+            f"received {_received(h=h, l=l, m=m, q=q, z=z)} (lr={alpha:g})"
+        )
+    if (alpha == 0.0 or beta == 0.0) and abs(tail) > _RTOL * max(abs(m * l), abs((1 - q) * z)):
+        raise ValueError(
+            "(1 - q)*z - m*l must be 0 when the QHM lr or momentum is 0 (no QHM has that "
+            f"gradient response); received {_received(h=h, l=l, m=m, q=q, z=z)}"
+        )
+    return alpha, (0.0 if alpha == 0.0 or beta == 0.0 else anb / (alpha * beta)), beta, anb
+
+
+def from_two_state_optimizer(
+    h: float, k: float, l: float, m: float, q: float, z: float
+) -> QHMParams:
+    r"""The general two-state optimizer (TSO) of Ma & Yarats (2019), App. D, as QHM.
+
+    Source: Ma & Yarats (2019), App. D:
+
+    .. math::
+
+        a_{t+1} = h a_t + k \theta_t + l \nabla_t, \quad
+        \theta_{t+1} = m a_t + q \theta_t + z \nabla_t
+
+    QHM recovers a TSO iff :math:`M = [[h, k], [m, q]]` has eigenvalue 1, i.e.
+    :math:`(1-h)(1-q) = km`, and its other eigenvalue :math:`h + q - 1` is a
+    valid momentum. Then (derived from the spectral decomposition of
+    :math:`M`; verified numerically):
+
+    .. math::
+
+        \beta = h + q - 1, \quad
+        \alpha = -\frac{m l + (1 - h) z}{1 - \beta}, \quad
+        \nu = \frac{(1 - q) z - m l}{\alpha \beta (1 - \beta)}
+
+    and QHM must start from the buffer given by :func:`two_state_initial_buffer`.
+    App. D states this only under the extra conditions :math:`h - q + \phi = 0`
+    and :math:`1 - l = \beta`, which force :math:`q = 1` and :math:`km = 0`; its
+    printed :math:`\alpha` and :math:`\beta` agree with the above everywhere, its
+    :math:`\nu` and :math:`g_0` only under those conditions (see the errata in
+    ``docs/conversions.md``; e.g. AccSGD is a TSO outside them).
+
+    Preconditions: finite coefficients; :math:`(1-h)(1-q) = km` (to relative
+    tolerance 1e-9); ``0 <= h + q - 1 < 1``; ``alpha >= 0``; if ``alpha`` or
+    ``beta`` is 0, ``(1 - q) z = m l``.
+    """
+    alpha, nu, beta, _ = _two_state(h, k, l, m, q, z)
+    return _qhm(alpha, nu, beta)
+
+
+def two_state_initial_buffer(
+    h: float, k: float, l: float, m: float, q: float, z: float
+) -> TwoStateInitialBuffer:
+    r"""QHM's initial momentum buffer reproducing a TSO started from :math:`(a_0, \theta_0)`.
+
+    Returns ``(a_scale, theta_scale)`` with
+    :math:`g_0 = a_{\mathrm{scale}} a_0 + \theta_{\mathrm{scale}} \theta_0`:
+
+    .. math::
+
+        g_0 = -\frac{m a_0 + (q - 1) \theta_0}{\alpha \nu \beta}
+
+    (Ma & Yarats, 2019, App. D, print :math:`g_0 = c\, a_0`, which is this
+    formula when :math:`q = 1`.) When :math:`\alpha \nu \beta = 0` QHM's
+    trajectory does not depend on :math:`g_0`; this returns ``(0.0, 0.0)`` and
+    the TSO is recovered only from initial states with
+    :math:`m a_0 = (1 - q) \theta_0`. Same preconditions as
+    :func:`from_two_state_optimizer`.
+    """
+    _, _, _, anb = _two_state(h, k, l, m, q, z)
+    if anb == 0.0:
+        return TwoStateInitialBuffer(0.0, 0.0)
+    return TwoStateInitialBuffer(-float(m) / anb, (1 - float(q)) / anb)
+
+
+# ------------------------------------------------------------------ Adam family
+def _adam_args(lr: float, betas: Sequence[float], eps: float) -> tuple[float, float, float, float]:
+    b1, b2 = _pair(betas, "betas")
+    return (
+        validation.check_lr(_real(lr, "lr"), "lr"),
+        validation.check_beta(_real(b1, "betas[0]"), "betas[0]"),
+        validation.check_beta(_real(b2, "betas[1]"), "betas[1]"),
+        validation.check_eps(_real(eps, "eps"), "eps"),
+    )
+
+
+def from_adam(lr: float, betas: Sequence[float], eps: float) -> QHAdamParams:
+    r"""Adam as QHAdam (exact, bias correction included).
+
+    Source: D. P. Kingma, J. Ba (2015), "Adam: a method for stochastic
+    optimization", ICLR, Algorithm 1 (:math:`\epsilon` added after the square
+    root of the bias-corrected second moment); Ma & Yarats (2019), Sec. 5.
+
+    Formula: same ``lr``, ``betas``, ``eps``; :math:`\nu_1 = \nu_2 = 1`.
+
+    Preconditions: ``lr >= 0``; ``0 <= betas[i] < 1``; ``eps >= 0``.
+    """
+    lr, b1, b2, eps = _adam_args(lr, betas, eps)
+    return QHAdamParams(lr, (b1, b2), (1.0, 1.0), eps)
+
+
+def from_nadam(lr: float, betas: Sequence[float], eps: float) -> QHAdamParams:
+    r"""NAdam as QHAdam -- holds only *modulo bias correction*.
+
+    Source: T. Dozat (2016), "Incorporating Nesterov momentum into Adam", ICLR
+    workshop, Algorithm 2, with a constant momentum schedule
+    :math:`\mu_t = \beta_1`: the update numerator is
+    :math:`(1-\beta_1) \hat\nabla_t + \beta_1 \hat m_t`. Ma & Yarats (2019), Sec. 5.
+
+    Formula: same ``lr``, ``betas``, ``eps``; :math:`\nu_1 = \beta_1`,
+    :math:`\nu_2 = 1`. Exact when both NAdam and QHAdam drop their bias
+    corrections; with them, NAdam corrects the gradient by
+    :math:`1 - \beta_1^t` and the buffer by :math:`1 - \beta_1^{t+1}` while QHAdam
+    corrects only the buffer, by :math:`1 - \beta_1^t`, so the trajectories differ.
+
+    Preconditions: ``lr >= 0``; ``0 <= betas[i] < 1``; ``eps >= 0``.
+    """
+    lr, b1, b2, eps = _adam_args(lr, betas, eps)
+    return QHAdamParams(lr, (b1, b2), (b1, 1.0), eps)
+
+
+def from_rmsprop(lr: float, alpha: float, eps: float) -> QHAdamParams:
+    r"""RMSProp (``torch.optim.RMSprop`` naming) as QHAdam -- *modulo bias correction*.
+
+    Source: T. Tieleman, G. Hinton (2012), "Lecture 6.5 -- RMSProp", COURSERA:
+    Neural Networks for Machine Learning; ``torch.optim.RMSprop(lr, alpha, eps,
+    centered=False, momentum=0)``: :math:`s_{t+1} = \alpha s_t + (1-\alpha) \nabla_t^2`,
+    :math:`\theta_{t+1} = \theta_t - \eta \nabla_t / (\sqrt{s_{t+1}} + \epsilon)`.
+    Ma & Yarats (2019), Sec. 5.
+
+    Formula: :math:`\nu = (0, 1)`, :math:`\beta_2 = \alpha`; :math:`\beta_1` is
+    unused when :math:`\nu_1 = 0` (any value works; this returns 0). Exact when
+    QHAdam drops bias correction; with it, QHAdam divides the second moment by
+    :math:`1 - \alpha^t`, which RMSProp does not.
+
+    Preconditions: ``lr >= 0``; ``0 <= alpha < 1``; ``eps >= 0``.
+    """
+    lr = validation.check_lr(_real(lr, "lr"), "lr")
+    alpha = validation.check_beta(_real(alpha, "alpha"), "alpha")
+    eps = validation.check_eps(_real(eps, "eps"), "eps")
+    return QHAdamParams(lr, (0.0, alpha), (0.0, 1.0), eps)

@@ -1,0 +1,423 @@
+r"""QHM and QHAdam as optax gradient transformations.
+
+``scale_by_qhm`` and ``scale_by_qhadam`` are the scalings; ``qhm``, ``qhadam`` and
+``qhadamw`` compose them with the learning rate exactly as ``optax.sgd``,
+``optax.adam`` and ``optax.adamw`` do, so they chain, inject and checkpoint like
+any optax optimizer::
+
+    import optax
+    import qhoptim.optax as qho
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0), qho.qhadam(1e-3, nu1=0.7))
+
+The math of every step comes from :mod:`qhoptim.rules`; this module only maps it
+over pytrees, keeps optax's state and dtype conventions, and lets XLA fuse it.
+
+References:
+  Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
+  <https://arxiv.org/abs/1810.06801>`_, ICLR 2019.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from qhoptim import rules, validation
+
+__all__ = [
+    "ScaleByQHAdamState",
+    "ScaleByQHMState",
+    "qhadam",
+    "qhadamw",
+    "qhm",
+    "scale_by_qhadam",
+    "scale_by_qhm",
+]
+
+ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
+
+
+class ScaleByQHMState(NamedTuple):
+    """State of :func:`scale_by_qhm`: the normalized momentum buffer ``g``."""
+
+    momentum_buffer: optax.Updates
+
+
+class ScaleByQHAdamState(NamedTuple):
+    """State of :func:`scale_by_qhadam`."""
+
+    count: jax.Array  # shape=(), dtype=jnp.int32: number of updates taken
+    mu: optax.Updates  # first-moment EWMA g
+    nu: optax.Updates  # second-moment EWMA s (real dtype, also for complex params)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    # ``None`` leaves (frozen / absent params) are kept as leaves and skipped.
+    return jax.tree.flatten(tree, is_leaf=_is_none)
+
+
+def _abs_sq(x: jax.Array) -> jax.Array:
+    # |x|^2 of a real or complex array, real-valued; exactly x*x for real x.
+    return jnp.real(x * jnp.conj(x))
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    # Python scalars stay weakly typed (no rounding of hyperparameters to a
+    # low-precision dtype before 1 - beta is formed); arrays -- counts, traced
+    # hyperparameters under inject_hyperparams -- follow the leaf's dtype.
+    return x.astype(dtype) if isinstance(x, jax.Array) else x
+
+
+def _canonical_dtype(dtype: Any) -> Any:
+    return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _check_learning_rate(learning_rate: ScalarOrSchedule) -> None:
+    if not callable(learning_rate):
+        validation.check_lr(learning_rate, "learning_rate")
+
+
+def scale_by_qhm(
+    momentum: float | jax.Array = 0.999,
+    nu: float | jax.Array = 0.7,
+    *,
+    accumulator_dtype: Any | None = None,
+) -> optax.GradientTransformation:
+    r"""Rescale updates by quasi-hyperbolic momentum (QHM).
+
+    .. math::
+
+        g_t &= \beta g_{t-1} + (1 - \beta) u_t \\
+        u'_t &= (1 - \nu) u_t + \nu g_t
+
+    where :math:`u_t` are the incoming updates (gradients), :math:`\beta` is
+    ``momentum`` and :math:`\nu` is ``nu``. The momentum buffer is normalized
+    (an average of past gradients), unlike ``optax.trace``: ``nu = 1`` is
+    momentum with learning rate ``lr / (1 - beta)`` in ``optax.sgd`` terms,
+    ``nu = beta`` is Nesterov's accelerated gradient, ``nu = 0`` plain SGD.
+
+    Args:
+      momentum: :math:`\beta`, the buffer's discount factor, in ``[0, 1)``.
+      nu: :math:`\nu`, the immediate discount factor; any finite real.
+      accumulator_dtype: optional dtype of the momentum buffer; ``None`` uses
+        the parameters' dtype.
+
+    Returns:
+      A :class:`optax.GradientTransformation` with state :class:`ScaleByQHMState`.
+
+    References:
+      Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
+      <https://arxiv.org/abs/1810.06801>`_, ICLR 2019, section 3.
+    """
+    validation.check_beta(momentum, "momentum")
+    validation.check_nu(nu, "nu")
+    accumulator_dtype = _canonical_dtype(accumulator_dtype)
+
+    def init_fn(params: optax.Params) -> ScaleByQHMState:
+        return ScaleByQHMState(optax.tree.zeros_like(params, dtype=accumulator_dtype))
+
+    def update_fn(
+        updates: optax.Updates, state: ScaleByQHMState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, ScaleByQHMState]:
+        del params
+        grads, treedef = _flatten(updates)
+        buffers, _ = _flatten(state.momentum_buffer)
+        new_updates, new_buffers = [], []
+        for g, buf in zip(grads, buffers, strict=True):
+            if g is None:
+                new_updates.append(None)
+                new_buffers.append(buf)
+                continue
+            dtype = buf.dtype
+            b, direction = rules.qhm_update(
+                g, buf, momentum=_cast(momentum, dtype), nu=_cast(nu, dtype)
+            )
+            new_updates.append(direction.astype(g.dtype))
+            new_buffers.append(b.astype(dtype))
+        return (
+            jax.tree.unflatten(treedef, new_updates),
+            ScaleByQHMState(jax.tree.unflatten(treedef, new_buffers)),
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_qhadam(
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.999,
+    nu1: float | jax.Array = 1.0,
+    nu2: float | jax.Array = 1.0,
+    eps: float | jax.Array = 1e-8,
+    *,
+    mu_dtype: Any | None = None,
+) -> optax.GradientTransformation:
+    r"""Rescale updates according to QHAdam.
+
+    .. math::
+
+        \mu_t &= \beta_1 \mu_{t-1} + (1 - \beta_1) u_t, &
+        \hat\mu_t &= \mu_t / (1 - \beta_1^t) \\
+        \nu_t &= \beta_2 \nu_{t-1} + (1 - \beta_2) |u_t|^2, &
+        \hat\nu_t &= \nu_t / (1 - \beta_2^t) \\
+        u'_t &= \frac{(1 - \nu_1) u_t + \nu_1 \hat\mu_t}
+                    {\sqrt{(1 - \nu_2) |u_t|^2 + \nu_2 \hat\nu_t} + \epsilon}
+
+    with :math:`\beta_1, \beta_2` = ``b1, b2``, :math:`\nu_1, \nu_2` = ``nu1,
+    nu2`` and :math:`\epsilon` = ``eps``. ``nu1 = nu2 = 1`` is Adam
+    (``optax.scale_by_adam`` with ``eps_root=0``). :math:`\epsilon` is added
+    after the bias-corrected square root, as in the paper and in optax's Adam.
+
+    Args:
+      b1: decay of the first-moment EWMA, in ``[0, 1)``.
+      b2: decay of the second-moment EWMA, in ``[0, 1)``.
+      nu1: immediate discount of the first moment; any finite real.
+      nu2: immediate discount of the second moment, in ``[0, 1]``; values
+        below 1 tighten the worst-case step on spiky gradients.
+      eps: term added to the denominator, ``>= 0``.
+      mu_dtype: optional dtype of the first moment; ``None`` uses the
+        parameters' dtype.
+
+    Returns:
+      A :class:`optax.GradientTransformation` with state
+      :class:`ScaleByQHAdamState`.
+
+    References:
+      Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
+      <https://arxiv.org/abs/1810.06801>`_, ICLR 2019, section 5.
+    """
+    validation.check_qhadam(
+        lr=0.0,
+        beta1=b1,
+        beta2=b2,
+        nu1=nu1,
+        nu2=nu2,
+        eps=eps,
+        names={"beta1": "b1", "beta2": "b2"},
+    )
+    mu_dtype = _canonical_dtype(mu_dtype)
+
+    def init_fn(params: optax.Params) -> ScaleByQHAdamState:
+        mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+        nu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.finfo(p.dtype).dtype), params)
+        return ScaleByQHAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+    def update_fn(
+        updates: optax.Updates, state: ScaleByQHAdamState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, ScaleByQHAdamState]:
+        del params
+        count = optax.safe_increment(state.count)
+        bc1, bc2 = rules.bias_correction(b1, count), rules.bias_correction(b2, count)
+        grads, treedef = _flatten(updates)
+        mus, _ = _flatten(state.mu)
+        nus, _ = _flatten(state.nu)
+        new_updates, new_mus, new_nus = [], [], []
+        for g, m, v in zip(grads, mus, nus, strict=True):
+            if g is None:
+                new_updates.append(None)
+                new_mus.append(m)
+                new_nus.append(v)
+                continue
+            m_next, v_next, update = rules.qhadam_update(
+                g,
+                m,
+                v,
+                beta1=_cast(b1, v.dtype),
+                beta2=_cast(b2, v.dtype),
+                nu1=_cast(nu1, v.dtype),
+                nu2=_cast(nu2, v.dtype),
+                eps=_cast(eps, v.dtype),
+                bias_correction1=bc1.astype(v.dtype),
+                bias_correction2=bc2.astype(v.dtype),
+                sqrt=jnp.sqrt,
+                square=_abs_sq,
+            )
+            new_updates.append(update.astype(g.dtype))
+            new_mus.append(m_next.astype(m.dtype))
+            new_nus.append(v_next.astype(v.dtype))
+        return jax.tree.unflatten(treedef, new_updates), ScaleByQHAdamState(
+            count=count,
+            mu=jax.tree.unflatten(treedef, new_mus),
+            nu=jax.tree.unflatten(treedef, new_nus),
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def qhm(
+    learning_rate: ScalarOrSchedule,
+    momentum: float | jax.Array = 0.999,
+    nu: float | jax.Array = 0.7,
+    *,
+    accumulator_dtype: Any | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Quasi-hyperbolic momentum.
+
+    .. math::
+
+        g_t &= \beta g_{t-1} + (1 - \beta) \nabla_t \\
+        \theta_t &= \theta_{t-1} - \alpha \left[(1 - \nu) \nabla_t + \nu g_t\right]
+
+    with :math:`\alpha` = ``learning_rate``, :math:`\beta` = ``momentum``,
+    :math:`\nu` = ``nu``. The defaults are the paper's rule of thumb. To move
+    from ``optax.sgd(lr, momentum=beta, nesterov=...)`` use
+    ``learning_rate = lr / (1 - beta)`` (see :mod:`qhoptim.convert`). For L2
+    weight decay, chain ``optax.add_decayed_weights(wd)`` *before* this
+    optimizer.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      momentum: :math:`\beta`, in ``[0, 1)``.
+      nu: :math:`\nu`, any finite real (0: SGD, 1: momentum, beta: NAG).
+      accumulator_dtype: optional dtype of the momentum buffer.
+
+    Returns:
+      The corresponding :class:`optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import qhoptim.optax as qho
+      >>> f = lambda x: jnp.sum(x**2)
+      >>> solver = qho.qhm(learning_rate=0.5)
+      >>> params = jnp.array([1.0, 2.0, 3.0])
+      >>> state = solver.init(params)
+      >>> for _ in range(3):
+      ...     updates, state = solver.update(jax.grad(f)(params), state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> print(f"{f(params):.4f}")  # qhoptim.reference.QHM gives 1.62121
+      1.6212
+
+    References:
+      Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
+      <https://arxiv.org/abs/1810.06801>`_, ICLR 2019.
+    """
+    _check_learning_rate(learning_rate)
+    return optax.chain(
+        scale_by_qhm(momentum, nu, accumulator_dtype=accumulator_dtype),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def qhadam(
+    learning_rate: ScalarOrSchedule,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.999,
+    nu1: float | jax.Array = 1.0,
+    nu2: float | jax.Array = 1.0,
+    eps: float | jax.Array = 1e-8,
+    *,
+    mu_dtype: Any | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""QHAdam: Adam with quasi-hyperbolic moment estimators.
+
+    .. math::
+
+        \theta_t = \theta_{t-1} - \alpha \,
+            \frac{(1 - \nu_1) \nabla_t + \nu_1 \hat\mu_t}
+                 {\sqrt{(1 - \nu_2) |\nabla_t|^2 + \nu_2 \hat\nu_t} + \epsilon}
+
+    with the bias-corrected moments of :func:`scale_by_qhadam`,
+    :math:`\alpha` = ``learning_rate``. ``nu1 = nu2 = 1`` is ``optax.adam``;
+    the paper suggests ``nu1 = 0.7`` with ``b1 = 0.995`` as a QHAdam starting
+    point, and ``nu2 < 1`` when Adam training is unstable. For L2 weight decay,
+    chain ``optax.add_decayed_weights(wd)`` before; for decoupled decay use
+    :func:`qhadamw`.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      b1, b2: moment decays, in ``[0, 1)``.
+      nu1: any finite real. nu2: in ``[0, 1]``.
+      eps: added to the denominator after the square root.
+      mu_dtype: optional dtype of the first moment.
+
+    Returns:
+      The corresponding :class:`optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import qhoptim.optax as qho
+      >>> f = lambda x: jnp.sum(x**2)
+      >>> solver = qho.qhadam(learning_rate=0.1, nu1=0.7)
+      >>> params = jnp.array([1.0, 2.0, 3.0])
+      >>> state = solver.init(params)
+      >>> for _ in range(3):
+      ...     updates, state = solver.update(jax.grad(f)(params), state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> print(f"{f(params):.4f}")  # qhoptim.reference.QHAdam gives 10.69798
+      10.6980
+
+    References:
+      Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
+      <https://arxiv.org/abs/1810.06801>`_, ICLR 2019.
+    """
+    _check_learning_rate(learning_rate)
+    return optax.chain(
+        scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def qhadamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.999,
+    nu1: float | jax.Array = 1.0,
+    nu2: float | jax.Array = 1.0,
+    eps: float | jax.Array = 1e-8,
+    weight_decay: float | jax.Array = 1e-4,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    mu_dtype: Any | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""QHAdam with decoupled weight decay (as ``optax.adamw``).
+
+    .. math::
+
+        \theta_t = \theta_{t-1} - \alpha \left( u'_t + \lambda \theta_{t-1} \right)
+                 = (1 - \alpha\lambda)\, \theta_{t-1} - \alpha u'_t
+
+    where :math:`u'_t` is the :func:`scale_by_qhadam` update and
+    :math:`\lambda` = ``weight_decay``. As in ``optax.adamw`` and PyTorch, the
+    decay is multiplied by the learning rate.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      b1, b2, nu1, nu2, eps: as in :func:`qhadam`.
+      weight_decay: :math:`\lambda`, ``>= 0``.
+      mask: a pytree of booleans (or a callable returning one) selecting the
+        parameters to decay, as in ``optax.add_decayed_weights``.
+      mu_dtype: optional dtype of the first moment.
+
+    Returns:
+      The corresponding :class:`optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import qhoptim.optax as qho
+      >>> solver = qho.qhadamw(learning_rate=0.1, nu1=0.7, weight_decay=0.01)
+      >>> params = {"w": jnp.ones(3), "b": jnp.zeros(1)}
+      >>> state = solver.init(params)
+      >>> grads = {"w": jnp.ones(3), "b": jnp.ones(1)}
+      >>> updates, state = solver.update(grads, state, params)
+      >>> print(jnp.round(updates["w"], 4))  # -lr * (1 + weight_decay * 1) at step 1
+      [-0.101 -0.101 -0.101]
+
+    References:
+      Loshchilov & Hutter, `Decoupled weight decay regularization
+      <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
+    """
+    _check_learning_rate(learning_rate)
+    validation.check_weight_decay(weight_decay)
+    return optax.chain(
+        scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )

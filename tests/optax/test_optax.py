@@ -1,0 +1,291 @@
+"""qhoptim.optax: optax idioms, dtypes, pytrees, jit, checkpoints, conformance."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qhoptim.optax as qho
+from conformance import runner
+from qhoptim.reference import QHM, QHAdam
+
+F = lambda x: jnp.sum((x - 0.5) ** 2 * jnp.arange(1, x.size + 1, dtype=x.dtype))  # noqa: E731
+
+OPTIMIZERS = {
+    "qhm": lambda: qho.qhm(0.1, momentum=0.9, nu=0.7),
+    "qhadam": lambda: qho.qhadam(0.05, nu1=0.7, nu2=0.9),
+    "qhadamw": lambda: qho.qhadamw(0.05, nu1=0.7, weight_decay=0.01),
+}
+
+
+def _run(tx, params, steps=5, grad_fn=None, **update_kwargs):
+    grad_fn = grad_fn or jax.grad(F)
+    state = tx.init(params)
+    for _ in range(steps):
+        updates, state = tx.update(grad_fn(params), state, params, **update_kwargs)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+# --------------------------------------------------------------------------- conformance
+
+
+def test_conformance_rows_all_pass() -> None:
+    rows = runner.run(["optax"])
+    assert len(rows) == 2 * len(runner.load_cases())
+    failed = [r for r in rows if not r.passed]
+    assert not failed, runner.format_table(failed)
+
+
+# ------------------------------------------------------------------ known equivalences
+
+
+def test_qhadam_with_unit_nus_is_optax_adam() -> None:
+    x = jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float64)
+    a, _ = _run(qho.qhadam(0.05, 0.9, 0.99, 1.0, 1.0, 1e-8), x, steps=20)
+    b, _ = _run(optax.adam(0.05, 0.9, 0.99, 1e-8), x, steps=20)
+    np.testing.assert_allclose(a, b, rtol=1e-13)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_qhm_recovers_optax_sgd_momentum_and_nesterov(nesterov: bool) -> None:
+    # optax.sgd keeps an unnormalized trace; QHM's buffer is normalized, so
+    # lr_qhm = lr / (1 - beta), and nu = 1 (momentum) or nu = beta (NAG).
+    lr, beta = 0.01, 0.9
+    x = jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float64)
+    a, _ = _run(qho.qhm(lr / (1 - beta), beta, beta if nesterov else 1.0), x, steps=30)
+    b, _ = _run(optax.sgd(lr, momentum=beta, nesterov=nesterov), x, steps=30)
+    np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+# -------------------------------------------------------------------- optax idioms
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_chains_after_clip_by_global_norm(name: str) -> None:
+    x = jnp.linspace(-3.0, 3.0, 5)
+    chained, _ = _run(optax.chain(optax.clip_by_global_norm(0.5), OPTIMIZERS[name]()), x)
+
+    def clipped_grad(p):
+        g = jax.grad(F)(p)
+        return g * jnp.minimum(1.0, 0.5 / jnp.linalg.norm(g))
+
+    manual, _ = _run(OPTIMIZERS[name](), x, grad_fn=clipped_grad)
+    np.testing.assert_allclose(chained, manual, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("factory", "kwargs"),
+    [
+        (qho.qhm, {"learning_rate": 0.1, "momentum": 0.9, "nu": 0.7}),
+        (qho.qhadam, {"learning_rate": 0.05, "b1": 0.9, "b2": 0.99, "nu1": 0.7, "nu2": 0.8}),
+        (qho.qhadamw, {"learning_rate": 0.05, "nu1": 0.7, "weight_decay": 0.1}),
+    ],
+)
+def test_inject_hyperparams_gives_same_updates_and_state(factory, kwargs) -> None:
+    x = jnp.linspace(-1.0, 1.0, 6)
+    plain_params, plain_state = _run(factory(**kwargs), x, steps=6)
+    injected = optax.inject_hyperparams(factory)(**kwargs)
+    params, state = x, injected.init(x)
+    update = jax.jit(injected.update)  # hyperparameters are traced arrays here
+    for _ in range(6):
+        updates, state = update(jax.grad(F)(params), state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(params, plain_params, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+        state.inner_state,
+        plain_state,
+    )
+
+
+def test_inject_hyperparams_can_change_nu_midway() -> None:
+    tx = optax.inject_hyperparams(qho.qhm)(learning_rate=0.1, momentum=0.9, nu=0.7)
+    state = tx.init(jnp.ones(3))
+    state.hyperparams["nu"] = jnp.asarray(0.0)
+    updates, _ = tx.update(jnp.ones(3), state)
+    np.testing.assert_allclose(updates, -0.1 * jnp.ones(3), rtol=1e-7)  # nu = 0: SGD
+
+
+def test_multisteps_accumulates_then_applies() -> None:
+    tx = optax.MultiSteps(qho.qhadam(0.1, nu1=0.7), every_k_schedule=2)
+    x = jnp.array([1.0, -2.0])
+    state = tx.init(x)
+    u1, state = tx.update(jnp.array([1.0, 1.0]), state, x)
+    np.testing.assert_array_equal(u1, jnp.zeros(2))
+    u2, state = tx.update(jnp.array([3.0, -1.0]), state, x)
+    expected, _ = qho.qhadam(0.1, nu1=0.7).update(jnp.array([2.0, 0.0]), qho.qhadam(0.1).init(x))
+    np.testing.assert_allclose(u2, expected, rtol=1e-12)
+
+
+def test_apply_if_finite_skips_nan_steps_and_keeps_state() -> None:
+    tx = optax.apply_if_finite(qho.qhadam(0.1), max_consecutive_errors=3)
+    x = jnp.array([1.0, 2.0])
+    state = tx.init(x)
+    _, state = tx.update(jnp.array([1.0, 1.0]), state, x)
+    before = state.inner_state
+    updates, state = tx.update(jnp.array([jnp.nan, 1.0]), state, x)
+    np.testing.assert_array_equal(updates, jnp.zeros(2))
+    jax.tree.map(np.testing.assert_array_equal, state.inner_state, before)
+    assert int(state.notfinite_count) == 1
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_update_accepts_extra_keyword_arguments(name: str) -> None:
+    _run(OPTIMIZERS[name](), jnp.ones(3), steps=1, value=jnp.asarray(1.0), extra="ignored")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_arbitrary_pytrees_with_none_leaves(name: str) -> None:
+    params = {"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)}, "scale": jnp.ones(())}
+    grads = {"dense": {"kernel": jnp.full((2, 3), 0.5), "bias": None}, "scale": jnp.ones(())}
+    tx = OPTIMIZERS[name]()
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    assert updates["dense"]["bias"] is None
+    assert updates["dense"]["kernel"].shape == (2, 3)
+    # leaves without a gradient keep their (zero) state
+    flat = jax.tree.leaves(state)
+    assert all(jnp.all(jnp.isfinite(a)) for a in flat)
+
+
+# -------------------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_bf16_params_keep_bf16_updates_and_state(name: str) -> None:
+    x = jnp.ones(4, jnp.bfloat16)
+    tx = OPTIMIZERS[name]()
+    state = tx.init(x)
+    updates, new_state = tx.update(jnp.full(4, 0.25, jnp.bfloat16), state, x)
+    assert updates.dtype == jnp.bfloat16
+    same = jax.tree.map(lambda a, b: a.dtype == b.dtype, state, new_state)
+    assert all(jax.tree.leaves(same))
+
+
+def test_mu_dtype_and_accumulator_dtype_are_honoured() -> None:
+    x = jnp.ones(3, jnp.bfloat16)
+    state = qho.scale_by_qhadam(mu_dtype=jnp.float32).init(x)
+    assert state.mu.dtype == jnp.float32 and state.nu.dtype == jnp.bfloat16
+    updates, state2 = qho.scale_by_qhadam(mu_dtype=jnp.float32).update(x, state)
+    assert updates.dtype == jnp.bfloat16 and state2.mu.dtype == jnp.float32
+    qstate = qho.scale_by_qhm(accumulator_dtype="float32").init(x)
+    assert qstate.momentum_buffer.dtype == jnp.float32
+    assert qho.scale_by_qhadam().init(x).count.dtype == jnp.int32
+
+
+def test_complex_params_use_squared_modulus() -> None:
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal(4) + 1j * rng.standard_normal(4)
+    grads = rng.standard_normal((10, 4)) + 1j * rng.standard_normal((10, 4))
+    ref = QHAdam(lr=0.05, betas=(0.9, 0.99), nus=(0.7, 0.8), eps=1e-8)
+    rx, rs = x0, ref.init(x0)
+    tx = qho.qhadam(0.05, 0.9, 0.99, 0.7, 0.8, 1e-8)
+    x, state = jnp.asarray(x0), tx.init(jnp.asarray(x0))
+    assert state[0].nu.dtype == jnp.float64  # real second moment for complex128 params
+    for g in grads:
+        rx, rs = ref.step(rx, g, rs)
+        updates, state = tx.update(jnp.asarray(g), state, x)
+        x = optax.apply_updates(x, updates)
+    np.testing.assert_allclose(np.asarray(x), rx, rtol=1e-12)
+
+
+# --------------------------------------------------------------- jit and state shape
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_jit_compiles_once_and_state_is_stable(name: str) -> None:
+    tx = OPTIMIZERS[name]()
+    traces = []
+
+    @jax.jit
+    def step(params, state):
+        traces.append(1)
+        updates, state = tx.update(jax.grad(F)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = jnp.linspace(0.0, 1.0, 5, dtype=jnp.float32)
+    state0 = tx.init(params)
+    state = state0
+    for _ in range(4):
+        params, state = step(params, state)
+    assert len(traces) == 1
+    same = jax.tree.map(lambda a, b: a.shape == b.shape and a.dtype == b.dtype, state0, state)
+    assert all(jax.tree.leaves(same))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_survives_checkpoint_round_trip(name: str) -> None:
+    from flax import serialization
+
+    tx = OPTIMIZERS[name]()
+    x = jnp.linspace(-1.0, 1.0, 4)
+    params, state = _run(tx, x, steps=3)
+    blob = serialization.to_bytes((params, state))
+    restored_params, restored_state = serialization.from_bytes((x, tx.init(x)), blob)
+    a, _ = _run_from(tx, params, state, steps=4)
+    b, _ = _run_from(tx, restored_params, restored_state, steps=4)
+    np.testing.assert_array_equal(a, b)
+
+
+def _run_from(tx, params, state, steps):
+    for _ in range(steps):
+        updates, state = tx.update(jax.grad(F)(params), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def test_schedule_learning_rate_matches_reference() -> None:
+    schedule = optax.exponential_decay(0.1, transition_steps=1, decay_rate=0.9)
+    x0 = np.array([1.0, -1.0, 2.0])
+    tx = qho.qhm(schedule, momentum=0.9, nu=0.7)
+    x, state = jnp.asarray(x0), tx.init(jnp.asarray(x0))
+    ref, rx = QHM(lr=0.1, momentum=0.9, nu=0.7), x0
+    rs = ref.init(rx)
+    for t in range(8):
+        g = 2 * np.asarray(x)
+        updates, state = tx.update(jnp.asarray(g), state, x)
+        x = optax.apply_updates(x, updates)
+        rx, rs = ref.step(rx, 2 * rx, rs, lr=0.1 * 0.9**t)
+    # optax's schedules evaluate in float32 even under x64: compare at that precision.
+    np.testing.assert_allclose(np.asarray(x), rx, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: qho.scale_by_qhm(momentum=1.2),
+            "momentum must be in [0, 1); received momentum=1.2",
+        ),
+        (lambda: qho.qhm(0.1, nu=float("nan")), "nu must be a finite real number; received nu=nan"),
+        (lambda: qho.qhm(-0.1), "learning_rate must be in [0, inf); received learning_rate=-0.1"),
+        (lambda: qho.qhadam(0.1, b1=1.0), "b1 must be in [0, 1); received b1=1.0"),
+        (lambda: qho.qhadam(0.1, nu2=1.5), "nu2 must be in [0, 1]; received nu2=1.5"),
+        (lambda: qho.qhadam(0.1, eps=-1.0), "eps must be in [0, inf); received eps=-1.0"),
+        (
+            lambda: qho.qhadamw(0.1, weight_decay=-1.0),
+            "weight_decay must be in [0, inf); received weight_decay=-1.0",
+        ),
+    ],
+)
+def test_invalid_hyperparameters_raise_core_errors(make, message) -> None:
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value) == message
+
+
+def test_flax_example_trains() -> None:
+    import runpy
+    from pathlib import Path
+
+    example = Path(__file__).parents[2] / "docs" / "examples" / "optax_flax_mlp.py"
+    result = runpy.run_path(str(example), run_name="example")
+    losses = result["train"](steps=150)
+    assert losses[-1] < 0.5 * losses[0]

@@ -1,0 +1,513 @@
+"""qhoptim.convert: closed forms, return types, preconditions and round trips."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qhoptim import convert
+from qhoptim.convert import QHAdamParams, QHMParams
+from qhoptim.reference import QHM, QHAdam
+
+approx = pytest.approx
+
+QHM_CONVERSIONS: list[tuple[Callable[..., Any], dict[str, Any]]] = [
+    (convert.from_sgd, {"lr": 0.1}),
+    (convert.from_momentum, {"lr": 0.1, "momentum": 0.9}),
+    (convert.from_nesterov, {"lr": 0.1, "momentum": 0.9}),
+    (convert.from_pid, {"k_p": -0.03, "k_i": 0.005, "k_d": 0.27}),
+    (convert.from_an_pid, {"r": 0.001, "k_d": 0.002, "beta": 0.9}),
+    (convert.from_synthesized_nesterov, {"alpha": 0.001, "beta1": 0.9, "beta2": 0.5}),
+    (convert.from_robust_momentum, {"l": 100.0, "kappa": 100.0, "rho": 0.95}),
+    (convert.from_triple_momentum, {"l": 100.0, "kappa": 100.0}),
+    (convert.from_accsgd, {"delta": 0.001, "kappa": 1000.0, "xi": 10.0}),
+    (
+        convert.from_two_state_optimizer,
+        {"h": 0.5, "k": -0.75, "l": 0.001, "m": 0.2, "q": 1.3, "z": -0.001},
+    ),
+]
+QHADAM_CONVERSIONS: list[tuple[Callable[..., Any], dict[str, Any]]] = [
+    (convert.from_adam, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}),
+    (convert.from_nadam, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}),
+    (convert.from_rmsprop, {"lr": 1e-2, "alpha": 0.99, "eps": 1e-8}),
+]
+
+
+# ----------------------------------------------------------------------- types
+@pytest.mark.parametrize(
+    ("fn", "kwargs"), QHM_CONVERSIONS, ids=lambda x: getattr(x, "__name__", "")
+)
+def test_qhm_conversions_return_valid_qhm_params(
+    fn: Callable[..., Any], kwargs: dict[str, Any]
+) -> None:
+    p = fn(**kwargs)
+    assert type(p) is QHMParams
+    assert all(type(v) is float for v in p)
+    assert p.as_kwargs() == {"lr": p.lr, "momentum": p.momentum, "nu": p.nu}
+    assert 0 <= p.momentum < 1 and p.lr >= 0
+    QHM(**p.as_kwargs())  # accepted by the reference optimizer
+
+
+@pytest.mark.parametrize(
+    ("fn", "kwargs"), QHADAM_CONVERSIONS, ids=lambda x: getattr(x, "__name__", "")
+)
+def test_qhadam_conversions_return_valid_qhadam_params(
+    fn: Callable[..., Any], kwargs: dict[str, Any]
+) -> None:
+    p = fn(**kwargs)
+    assert type(p) is QHAdamParams
+    assert type(p.betas) is tuple and type(p.nus) is tuple
+    assert p.as_kwargs() == {"lr": p.lr, "betas": p.betas, "nus": p.nus, "eps": p.eps}
+    QHAdam(**p.as_kwargs())  # type: ignore[arg-type]
+
+
+def test_convert_imports_no_numpy() -> None:
+    code = "import sys, json, qhoptim.convert; print(json.dumps('numpy' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert json.loads(out.stdout) is False
+
+
+# ---------------------------------------------------------------- closed forms
+def test_sgd() -> None:
+    assert convert.from_sgd(0.3) == QHMParams(lr=0.3, nu=0.0, momentum=0.0)
+
+
+def test_momentum_practical_suggestion() -> None:
+    # Ma & Yarats (2019), Sec. 7.1: momentum/NAG (0.1, 0.9) -> QHM lr 1.
+    assert convert.from_momentum(0.1, 0.9) == approx(QHMParams(1.0, 1.0, 0.9))
+    assert convert.from_nesterov(0.1, 0.9) == approx(QHMParams(1.0, 0.9, 0.9))
+    assert convert.from_momentum(0.1, 0.0) == QHMParams(0.1, 1.0, 0.0)
+
+
+def test_pid_closed_form_and_special_cases() -> None:
+    assert convert.from_pid(-0.03, 0.005, 0.27) == approx(QHMParams(0.005, 2 / 3, 0.9))
+    assert convert.from_pid(-0.03, 0.005, 0.27, beta=0.9) == approx(QHMParams(0.005, 2 / 3, 0.9))
+    # k_p = k_d = 0 is plain SGD with step k_i (any D filter).
+    assert convert.from_pid(0.0, 0.2, 0.0, beta=0.5) == QHMParams(0.2, 0.0, 0.0)
+    # App. C.3: momentum iff k_p / k_i = k_d / k_p; NAG iff k_p / k_i = beta k_d / k_p.
+    a, b = 0.01, 0.8
+    for nu in (1.0, b):
+        k_p, k_i, k_d = -a * nu * b / (1 - b), a, a * nu * b**2 / (1 - b) ** 2
+        ratio = k_d / k_p if nu == 1.0 else b * k_d / k_p
+        assert k_p / k_i == approx(ratio)
+        assert convert.from_pid(k_p, k_i, k_d) == approx(QHMParams(a, nu, b))
+
+
+def test_an_pid_closed_form() -> None:
+    # nu = 1 + k_d (1 - beta)^2 / (r beta): corrected sign (App. E prints "1 -").
+    p = convert.from_an_pid(r=0.001, k_d=0.002, beta=0.9)
+    assert p == approx(QHMParams(0.01, 1 + 0.002 * 0.01 / 0.0009, 0.9))
+    assert convert.from_an_pid(0.01, 0.0, 0.5) == approx(QHMParams(0.02, 1.0, 0.5))  # momentum
+
+
+def test_snv_closed_form() -> None:
+    assert convert.from_synthesized_nesterov(0.001, 0.9, 0.5) == approx(
+        QHMParams(0.01, 1 - 0.1 * 0.5 / 0.9, 0.9)
+    )
+    # beta2 = beta1 is Nesterov in Lessard et al.'s form; beta2 = 0 is heavy ball.
+    assert convert.from_synthesized_nesterov(0.001, 0.9, 0.9).nu == approx(0.9)
+    assert convert.from_synthesized_nesterov(0.001, 0.9, 0.0).nu == 1.0
+    assert convert.from_synthesized_nesterov(0.5, 0.0, 0.0) == QHMParams(0.5, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("kappa", [1.5, 10.0, 100.0, 1e4])
+def test_robust_momentum_end_points(kappa: float) -> None:
+    l = 7.0  # noqa: E741
+    # Fast end: Triple Momentum's parameters (Cyrus et al. 2018's claim).
+    rho = 1 - 1 / math.sqrt(kappa)
+    tm = convert.from_triple_momentum(l, kappa)
+    assert convert.from_robust_momentum(l, kappa) == approx(tm, rel=1e-12)
+    assert convert.from_robust_momentum(l, kappa, rho) == approx(tm, rel=1e-12)
+    a, b, g = (1 + rho) / l, rho**2 / (2 - rho), rho**2 / ((1 + rho) * (2 - rho))
+    assert tm == approx(QHMParams(a / (1 - b), 1 - (1 - b) * g / b, b), rel=1e-12)
+    # Slow end: gradient descent with step 1/l.
+    gd = convert.from_robust_momentum(l, kappa, 1 - 1 / kappa)
+    assert gd.lr == approx(1 / l, rel=1e-12)
+    assert gd.nu == approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("kappa", [2.0, 30.0, 1e3])
+def test_robust_momentum_rate_on_quadratics(kappa: float) -> None:
+    # On f = lam/2 x^2 with lam in [l/kappa, l] QHM's iteration has spectral
+    # radius <= rho, with equality attained: the worst-case rate of the paper.
+    np = pytest.importorskip("numpy")
+    l = 2.0  # noqa: E741
+    for rho in np.linspace(1 - 1 / math.sqrt(kappa), 1 - 1 / kappa, 4):
+        p = convert.from_robust_momentum(l, kappa, float(rho))
+        a, nu, b = p.lr, p.nu, p.momentum
+        worst = 0.0
+        for lam in np.linspace(l / kappa, l, 801):
+            m = [[b, (1 - b) * lam], [-a * nu * b, 1 - a * lam * (1 - nu * b)]]
+            worst = max(worst, float(np.max(np.abs(np.linalg.eigvals(m)))))
+        assert worst == approx(float(rho), rel=1e-9)
+
+
+def test_triple_momentum_kappa_one_is_gradient_descent() -> None:
+    assert convert.from_triple_momentum(4.0, 1.0) == QHMParams(0.25, 0.0, 0.0)
+
+
+def test_accsgd_closed_form() -> None:
+    d, k, xi, e = 0.001, 1000.0, 10.0, 0.7
+    p = convert.from_accsgd(d, k, xi)
+    assert p == approx(
+        QHMParams(
+            d * e * (1 + xi) / (1 + e),
+            (e * xi - 1) / (e * (1 + xi)),
+            (k - e * e * xi) / (k + e * xi),
+        )
+    )
+
+
+@pytest.mark.parametrize(("kappa", "eps"), [(4.0, 0.7), (1000.0, 0.7), (50.0, 0.3), (1.5, 0.99)])
+def test_accsgd_cannot_recover_nag(kappa: float, eps: float) -> None:
+    # App. C.5: nu = beta needs xi = (1 - eps + sqrt(4 kappa + (1 - eps)^2)) / (2 eps),
+    # which exceeds sqrt(kappa): AccSGD cannot be NAG.
+    xi = (1 - eps + math.sqrt(4 * kappa + (1 - eps) ** 2)) / (2 * eps)
+    assert xi > math.sqrt(kappa)
+    nu = (eps * xi - 1) / (eps * (1 + xi))
+    beta = (kappa - eps * eps * xi) / (kappa + eps * xi)
+    assert nu == approx(beta)
+    with pytest.raises(ValueError, match=r"xi must be in \(0, .*\]; received xi="):
+        convert.from_accsgd(0.1, kappa, xi, eps)
+
+
+def test_two_state_qhm_itself_and_scaled_buffer() -> None:
+    a, nu, b, c = 0.005, 0.7, 0.9, 2.5
+    tso = {
+        "h": b,
+        "k": 0.0,
+        "l": c * (1 - b),
+        "m": -a * nu * b / c,
+        "q": 1.0,
+        "z": -a * (1 - nu * b),
+    }
+    assert convert.from_two_state_optimizer(**tso) == approx(QHMParams(a, nu, b))
+    assert convert.two_state_initial_buffer(**tso) == approx((1 / c, 0.0))
+    # m = 0: theta ignores the buffer -> SGD, and the buffer is irrelevant.
+    sgd = {"h": 0.5, "k": 0.3, "l": 0.7, "m": 0.0, "q": 1.0, "z": -0.01}
+    assert convert.from_two_state_optimizer(**sgd) == approx(QHMParams(0.01, 0.0, 0.5))
+    assert convert.two_state_initial_buffer(**sgd) == (0.0, 0.0)
+
+
+def test_adam_family() -> None:
+    assert convert.from_adam(1e-3, (0.9, 0.999), 1e-8) == QHAdamParams(
+        1e-3, (0.9, 0.999), (1.0, 1.0), 1e-8
+    )
+    assert convert.from_nadam(2e-3, [0.95, 0.99], 0.0) == QHAdamParams(
+        2e-3, (0.95, 0.99), (0.95, 1.0), 0.0
+    )
+    assert convert.from_rmsprop(1e-2, 0.99, 1e-8) == QHAdamParams(
+        1e-2, (0.0, 0.99), (0.0, 1.0), 1e-8
+    )
+
+
+# --------------------------------------------------------------- preconditions
+ERRORS: list[tuple[Callable[..., Any], dict[str, Any], str]] = [
+    (convert.from_sgd, {"lr": -1.0}, r"lr must be in \[0, inf\); received lr=-1.0"),
+    (
+        convert.from_momentum,
+        {"lr": 0.1, "momentum": 1.0},
+        r"momentum must be in \[0, 1\); received momentum=1.0",
+    ),
+    (
+        convert.from_momentum,
+        {"lr": -0.1, "momentum": 0.9},
+        r"lr must be in \[0, inf\); received lr=-0.1",
+    ),
+    (
+        convert.from_nesterov,
+        {"lr": 0.1, "momentum": -0.5},
+        r"momentum must be in \[0, 1\); received momentum=-0.5",
+    ),
+    (
+        convert.from_nesterov,
+        {"lr": 0.1, "momentum": math.nan},
+        r"momentum must be a finite real number; received momentum=nan",
+    ),
+    (
+        convert.from_pid,
+        {"k_p": 0.1, "k_i": 0.1, "k_d": 0.0},
+        r"k_d must be nonzero .*PI controller.*received k_p=0.1, k_d=0.0",
+    ),
+    (
+        convert.from_pid,
+        {"k_p": -0.1, "k_i": 0.0, "k_d": 0.9},
+        r"k_i must be in \(0, inf\); received k_i=0.0",
+    ),
+    (
+        convert.from_pid,
+        {"k_p": 0.1, "k_i": 0.1, "k_d": 0.9},
+        r"momentum k_d / \(k_d - k_p\).*must be in \[0, 1\); "
+        r"received k_p=0.1, k_d=0.9 \(momentum=1.125\)",
+    ),
+    (
+        convert.from_pid,
+        {"k_p": 0.0, "k_i": 0.1, "k_d": 0.9},
+        r"received k_p=0.0, k_d=0.9 \(momentum=1\)",
+    ),
+    (
+        convert.from_pid,
+        {"k_p": 0.3, "k_i": 0.1, "k_d": 0.3},
+        r"opposite signs.*received k_p=0.3, k_d=0.3",
+    ),
+    (
+        convert.from_pid,
+        {"k_p": 0.0, "k_i": -0.1, "k_d": 0.0},
+        r"k_i must be in \[0, inf\); received k_i=-0.1",
+    ),
+    (
+        convert.from_pid,
+        {"k_p": -0.03, "k_i": 0.005, "k_d": 0.27, "beta": 0.5},
+        r"beta \(the D-term filter discount\) must equal k_d / \(k_d - k_p\) = 0.9"
+        r".*received beta=0.5",
+    ),
+    (
+        convert.from_pid,
+        {"k_p": math.inf, "k_i": 0.1, "k_d": 0.9},
+        r"k_p must be a finite real number; received k_p=inf",
+    ),
+    (
+        convert.from_an_pid,
+        {"r": 0.0, "k_d": 0.1, "beta": 0.9},
+        r"r must be in \(0, inf\); received r=0.0",
+    ),
+    (
+        convert.from_an_pid,
+        {"r": 0.1, "k_d": 0.1, "beta": 1.0},
+        r"beta must be in \(0, 1\); received beta=1.0",
+    ),
+    (
+        convert.from_an_pid,
+        {"r": 0.1, "k_d": 0.1, "beta": 0.0},
+        r"beta must be in \(0, 1\); received beta=0.0",
+    ),
+    (
+        convert.from_synthesized_nesterov,
+        {"alpha": -1.0, "beta1": 0.9, "beta2": 0.5},
+        r"alpha must be in \[0, inf\); received alpha=-1.0",
+    ),
+    (
+        convert.from_synthesized_nesterov,
+        {"alpha": 0.1, "beta1": 1.2, "beta2": 0.5},
+        r"beta1 must be in \[0, 1\); received beta1=1.2",
+    ),
+    (
+        convert.from_synthesized_nesterov,
+        {"alpha": 0.1, "beta1": 0.0, "beta2": 0.5},
+        r"beta2 must be 0 when beta1 = 0.*received beta1=0.0, beta2=0.5",
+    ),
+    (
+        convert.from_robust_momentum,
+        {"l": 0.0, "kappa": 10.0},
+        r"l must be in \(0, inf\); received l=0.0",
+    ),
+    (
+        convert.from_robust_momentum,
+        {"l": 1.0, "kappa": 1.0},
+        r"kappa must be in \(1, inf\); received kappa=1.0",
+    ),
+    (
+        convert.from_robust_momentum,
+        {"l": 1.0, "kappa": 100.0, "rho": 0.5},
+        r"rho must be in \[0.9, 0.99\]; received rho=0.5",
+    ),
+    (
+        convert.from_robust_momentum,
+        {"l": 1.0, "kappa": 100.0, "rho": 0.995},
+        r"rho must be in \[0.9, 0.99\]; received rho=0.995",
+    ),
+    (
+        convert.from_triple_momentum,
+        {"l": -1.0, "kappa": 10.0},
+        r"l must be in \(0, inf\); received l=-1.0",
+    ),
+    (
+        convert.from_triple_momentum,
+        {"l": 1.0, "kappa": 0.5},
+        r"kappa must be in \[1, inf\); received kappa=0.5",
+    ),
+    (
+        convert.from_accsgd,
+        {"delta": 0.0, "kappa": 10.0, "xi": 2.0},
+        r"delta must be in \(0, inf\); received delta=0.0",
+    ),
+    (
+        convert.from_accsgd,
+        {"delta": 0.1, "kappa": 1.0, "xi": 1.0},
+        r"kappa must be in \(1, inf\); received kappa=1.0",
+    ),
+    (
+        convert.from_accsgd,
+        {"delta": 0.1, "kappa": 100.0, "xi": 11.0},
+        r"xi must be in \(0, 10\]; received xi=11.0",
+    ),
+    (
+        convert.from_accsgd,
+        {"delta": 0.1, "kappa": 100.0, "xi": 0.0},
+        r"xi must be in \(0, 10\]; received xi=0.0",
+    ),
+    (
+        convert.from_accsgd,
+        {"delta": 0.1, "kappa": 100.0, "xi": 5.0, "eps": 1.0},
+        r"eps must be in \(0, 1\); received eps=1.0",
+    ),
+    (
+        convert.from_two_state_optimizer,
+        {"h": 0.5, "k": 0.1, "l": 0.1, "m": 0.1, "q": 0.5, "z": -0.1},
+        r"must satisfy \(1 - h\) \* \(1 - q\) = k \* m.*received h=0.5, k=0.1, m=0.1, q=0.5",
+    ),
+    (
+        convert.from_two_state_optimizer,
+        {"h": 1.5, "k": 0.0, "l": 0.1, "m": 0.1, "q": 1.0, "z": -0.1},
+        r"momentum h \+ q - 1 must be in \[0, 1\); received h=1.5, q=1.0 \(momentum=1.5\)",
+    ),
+    (
+        convert.from_two_state_optimizer,
+        {"h": 0.5, "k": 0.0, "l": 0.5, "m": 0.0, "q": 1.0, "z": 0.1},
+        r"lr .* must be >= 0; received .*z=0.1 \(lr=-0.1\)",
+    ),
+    (
+        convert.from_two_state_optimizer,
+        {"h": 0.0, "k": 0.0, "l": 1.0, "m": -0.1, "q": 1.0, "z": -0.1},
+        r"\(1 - q\)\*z - m\*l must be 0 .*received h=0.0, l=1.0, m=-0.1",
+    ),
+    (
+        convert.two_state_initial_buffer,
+        {"h": 0.9, "k": 0.0, "l": 0.1, "m": 0.1, "q": 1.2, "z": -0.1},
+        r"must satisfy \(1 - h\) \* \(1 - q\) = k \* m",
+    ),
+    (
+        convert.from_adam,
+        {"lr": 1e-3, "betas": (0.9, 1.0), "eps": 1e-8},
+        r"betas\[1\] must be in \[0, 1\); received betas\[1\]=1.0",
+    ),
+    (
+        convert.from_adam,
+        {"lr": 1e-3, "betas": (-0.1, 0.9), "eps": 1e-8},
+        r"betas\[0\] must be in \[0, 1\); received betas\[0\]=-0.1",
+    ),
+    (
+        convert.from_adam,
+        {"lr": 1e-3, "betas": (0.9,), "eps": 1e-8},
+        r"betas must be a pair of two numbers; received betas=\(0.9,\)",
+    ),
+    (
+        convert.from_nadam,
+        {"lr": 1e-3, "betas": (0.9, 0.99), "eps": -1e-8},
+        r"eps must be in \[0, inf\); received eps=-1e-08",
+    ),
+    (
+        convert.from_nadam,
+        {"lr": -1e-3, "betas": (0.9, 0.99), "eps": 1e-8},
+        r"lr must be in \[0, inf\); received lr=-0.001",
+    ),
+    (
+        convert.from_rmsprop,
+        {"lr": 1e-3, "alpha": 1.0, "eps": 1e-8},
+        r"alpha must be in \[0, 1\); received alpha=1.0",
+    ),
+    (
+        convert.from_rmsprop,
+        {"lr": 1e-3, "alpha": 0.9, "eps": math.inf},
+        r"eps must be a finite real number; received eps=inf",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fn", "kwargs", "message"), ERRORS, ids=[m[:40] for *_, m in ERRORS])
+def test_precondition_errors(fn: Callable[..., Any], kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        fn(**kwargs)
+
+
+def test_non_numbers_are_type_errors() -> None:
+    with pytest.raises(TypeError, match="lr must be a real number"):
+        convert.from_sgd("0.1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bool"):
+        convert.from_momentum(0.1, True)
+
+
+def test_numpy_scalars_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    p = convert.from_momentum(np.float32(0.5), np.float64(0.5))
+    assert p == QHMParams(1.0, 1.0, 0.5) and all(type(v) is float for v in p)
+
+
+# ------------------------------------------------------------------ round trips
+lrs = st.floats(1e-4, 10.0)
+nus = st.floats(-2.0, 3.0)
+betas = st.floats(0.05, 0.995)
+
+
+@settings(max_examples=200, deadline=None)
+@given(alpha=lrs, nu=nus, beta=betas)
+def test_round_trip_qhm_snv_qhm(alpha: float, nu: float, beta: float) -> None:
+    # App. C.4: QHM is SNV with gamma = alpha (1 - beta), beta1 = beta,
+    # beta2 = (1 - nu) beta / (1 - beta).
+    p = convert.from_synthesized_nesterov(alpha * (1 - beta), beta, (1 - nu) * beta / (1 - beta))
+    assert p == approx(QHMParams(alpha, nu, beta), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(alpha=lrs, nu=nus.filter(lambda v: abs(v) > 1e-3), beta=betas)
+def test_round_trip_qhm_pid_qhm(alpha: float, nu: float, beta: float) -> None:
+    # App. C.3: k_p = -alpha nu beta / (1 - beta), k_i = alpha,
+    # k_d = alpha nu beta^2 / (1 - beta)^2.
+    k_p = -alpha * nu * beta / (1 - beta)
+    k_d = alpha * nu * beta**2 / (1 - beta) ** 2
+    p = convert.from_pid(k_p, alpha, k_d, beta=beta)
+    assert p == approx(QHMParams(alpha, nu, beta), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(alpha=lrs, nu=st.floats(0.0, 0.95), beta=betas, eps=st.floats(0.05, 0.95))
+def test_round_trip_qhm_accsgd_qhm(alpha: float, nu: float, beta: float, eps: float) -> None:
+    # App. C.5: delta = alpha (1 - nu), kappa = (beta + eps)(eps nu + 1) / ((1 - nu)(1 - beta)),
+    # xi = (eps nu + 1) / (eps (1 - nu)); valid only where AccSGD's xi <= sqrt(kappa).
+    delta = alpha * (1 - nu)
+    kappa = (beta + eps) * (eps * nu + 1) / ((1 - nu) * (1 - beta))
+    xi = (eps * nu + 1) / (eps * (1 - nu))
+    if kappa <= 1 or xi > math.sqrt(kappa):
+        with pytest.raises(ValueError, match=r"kappa|xi"):
+            convert.from_accsgd(delta, kappa, xi, eps)
+        return
+    p = convert.from_accsgd(delta, kappa, xi, eps)
+    assert p == approx(QHMParams(alpha, nu, beta), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    alpha=lrs,
+    nu=nus.filter(lambda v: abs(v) > 1e-3),
+    beta=betas,
+    c=st.floats(0.1, 10.0) | st.floats(-10.0, -0.1),
+    d=st.floats(-2.0, 2.0),
+)
+def test_round_trip_qhm_two_state_qhm(
+    alpha: float, nu: float, beta: float, c: float, d: float
+) -> None:
+    # QHM in the coordinates a = c g + d theta is a general TSO (q != 1, k m != 0).
+    m = -alpha * nu * beta / c
+    q = 1 + alpha * nu * beta * d / c
+    z = -alpha * (1 - nu * beta)
+    tso = {
+        "h": beta + d * m,
+        "k": d * (q - beta),
+        "l": c * (1 - beta) + d * z,
+        "m": m,
+        "q": q,
+        "z": z,
+    }
+    assert convert.from_two_state_optimizer(**tso) == approx(
+        QHMParams(alpha, nu, beta), rel=1e-7, abs=1e-7
+    )
+    # g_0 = (a_0 - d theta_0) / c
+    assert convert.two_state_initial_buffer(**tso) == approx((1 / c, -d / c), rel=1e-7, abs=1e-7)
