@@ -154,11 +154,74 @@ def _spiky() -> Problem:
     )
 
 
+# -- full-batch problems of the recovery suite (conformance/recovery.toml) -----------
+# Theory-based methods (Robust / Triple Momentum, AccSGD) are parameterized by
+# the strong convexity mu and smoothness L, so their quadratic has a known
+# spectrum [mu, L] = [1, 100]; all three are deterministic.
+
+
+def _quadratic_kappa100() -> Problem:
+    rng = np.random.default_rng(20190101)
+    q, _ = np.linalg.qr(rng.standard_normal((6, 6)))
+    a = q @ np.diag(np.geomspace(1.0, 100.0, 6)) @ q.T
+    x_star = np.array([3.0, -2.0, 1.5, 4.0, -1.0, 2.5])
+    return Problem(
+        "quadratic-kappa100",
+        "quadratic, spectrum [1, 100] (mu = 1, L = 100), start at 0",
+        np.zeros(6),
+        ((6,),),
+        lambda x, t: a @ (x - x_star),
+        lambda x: 0.5 * float((x - x_star) @ a @ (x - x_star)),
+    )
+
+
+def _rosenbrock_2d() -> Problem:
+    def grad(x: F64, t: int) -> F64:
+        d = x[1] - x[0] ** 2
+        return np.array([-2 * (1 - x[0]) - 400 * x[0] * d, 200 * d])
+
+    return Problem(
+        "rosenbrock-2d",
+        "Rosenbrock, 2-D, start (-1.2, 1)",
+        np.array([-1.2, 1.0]),
+        ((2,),),
+        grad,
+        lambda x: float(100 * (x[1] - x[0] ** 2) ** 2 + (1 - x[0]) ** 2),
+    )
+
+
+def _logistic_full_batch() -> Problem:
+    # L2-regularized logistic regression (bias column included), 64 samples, 4 features.
+    rng = np.random.default_rng(7)
+    feats = np.hstack([rng.standard_normal((64, 3)), np.ones((64, 1))])
+    labels = (feats @ np.array([1.5, -2.0, 0.5, 1.0]) + rng.standard_normal(64) > 0) * 1.0
+
+    def grad(x: F64, t: int) -> F64:
+        p = 1 / (1 + np.exp(-(feats @ x)))
+        return np.asarray(feats.T @ (p - labels) / 64 + 0.01 * x)
+
+    def loss(x: F64) -> float:
+        z = feats @ x
+        return float(np.mean(np.logaddexp(0.0, z) - labels * z) + 0.005 * x @ x)
+
+    return Problem(
+        "logistic-full-batch",
+        "full-batch logistic regression, 64 x 4, L2 1e-2",
+        np.array([0.5, 0.5, -0.5, 0.25]),
+        ((4,),),
+        grad,
+        loss,
+    )
+
+
 _FACTORIES: dict[str, Callable[[], Problem]] = {
     "quadratic": _quadratic,
     "rosenbrock": _rosenbrock,
     "logistic": _logistic,
     "spiky": _spiky,
+    "quadratic-kappa100": _quadratic_kappa100,
+    "rosenbrock-2d": _rosenbrock_2d,
+    "logistic-full-batch": _logistic_full_batch,
 }
 PROBLEMS = tuple(_FACTORIES)
 

@@ -35,7 +35,10 @@ import numpy as np
 from qhoptim import convert as conversions
 from qhoptim.reference import QHM, QHAdam, QHMState
 
-from .sources import F64, PROBLEMS, SOURCES, AccSGD, Problem, run, run_source
+from .problems import PROBLEMS as PROBLEM_NAMES
+from .problems import Problem, get_problem
+from .runner import max_relative_deviation
+from .sources import F64, SOURCES, AccSGD, run, run_source
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,7 +55,6 @@ __all__ = [
     "format_table",
     "load_cases",
     "main",
-    "max_relative_deviation",
     "qh_trajectory",
     "recovery_rows",
     "run_case",
@@ -98,7 +100,7 @@ class RecoveryCase:
         return scale.a_scale * a0 + scale.theta_scale * x0  # type: ignore[no-any-return]
 
     def source_trajectory(self, **overrides: Any) -> F64:
-        p = PROBLEMS[self.problem]
+        p = get_problem(self.problem)
         params = {**self.params, **self.source_params, **overrides}
         return run_source(self.source, p.grad, p.x0, self.steps, **params)
 
@@ -115,7 +117,7 @@ def load_cases(path: Path = CASES_FILE) -> tuple[RecoveryCase, ...]:
             raise ValueError(f"duplicate recovery case name {c.name!r}")
         if c.source not in SOURCES or not hasattr(conversions, c.convert):
             raise ValueError(f"{c.name}: unknown source {c.source!r} or conversion {c.convert!r}")
-        if c.problem not in PROBLEMS or c.exactness not in EXACTNESS or c.steps < 100:
+        if c.problem not in PROBLEM_NAMES or c.exactness not in EXACTNESS or c.steps < 100:
             raise ValueError(f"{c.name}: bad problem, exactness or steps (< 100)")
     return cases
 
@@ -134,27 +136,17 @@ def qh_trajectory(
     if isinstance(params, conversions.QHMParams):
         qhm = QHM(params.lr, params.momentum, params.nu)
         state = qhm.init(x) if initial_buffer is None else QHMState(initial_buffer)
-        for _ in range(steps):
-            x, state = qhm.step(x, problem.grad(x), state)
+        for t in range(steps):
+            x, state = qhm.step(x, problem.grad(x, t), state)
             traj.append(x)
     else:
         qhadam = QHAdam(params.lr, params.betas, params.nus, params.eps)
         astate = qhadam.init(x)
-        for _ in range(steps):
-            x, astate = qhadam.step(x, problem.grad(x), astate, bias_correction=bias_correction)
+        for t in range(steps):
+            g = problem.grad(x, t)
+            x, astate = qhadam.step(x, g, astate, bias_correction=bias_correction)
             traj.append(x)
     return np.stack(traj)
-
-
-def max_relative_deviation(src: F64, qh: F64) -> float:
-    """``max_t |src_t - qh_t|_inf / max(|src_t|_inf, 1e-300)``; non-finite -> inf."""
-    with np.errstate(all="ignore"):
-        num = np.max(np.abs(src - qh), axis=1)
-        den = np.maximum(np.max(np.abs(src), axis=1), 1e-300)
-        dev = num / den
-    if not (np.all(np.isfinite(src)) and np.all(np.isfinite(qh)) and np.all(np.isfinite(dev))):
-        return math.inf
-    return float(np.max(dev))
 
 
 @dataclass(frozen=True)
@@ -175,7 +167,7 @@ class Row:
 
 def run_case(case: RecoveryCase) -> Row:
     """Run the source and QHM / QHAdam side by side and measure the deviation."""
-    problem = PROBLEMS[case.problem]
+    problem = get_problem(case.problem)
     qh = qh_trajectory(
         case.converted(),
         problem,
@@ -207,14 +199,14 @@ def _printed_an_pid(case: RecoveryCase) -> float:
     # App. E prints nu = 1 - k_D (1 - beta)^2 / (r beta).
     r, k_d, beta = case.params["r"], case.params["k_d"], case.params["beta"]
     printed = conversions.QHMParams(r / (1 - beta), 1 - k_d * (1 - beta) ** 2 / (r * beta), beta)
-    p = PROBLEMS[case.problem]
+    p = get_problem(case.problem)
     return max_relative_deviation(case.source_trajectory(), qh_trajectory(printed, p, case.steps))
 
 
 def _printed_accsgd(case: RecoveryCase) -> float:
     # Sec. 4.4 / App. C.5 print the update rule with each line's weights swapped;
     # its QHM conversion (computed for the original rule) cannot match it.
-    p = PROBLEMS[case.problem]
+    p = get_problem(case.problem)
     src = run(AccSGD(**case.params, printed=True), p.grad, p.x0, case.steps)
     return max_relative_deviation(src, qh_trajectory(case.converted(), p, case.steps))
 
@@ -228,7 +220,7 @@ def _printed_two_state(case: RecoveryCase) -> float:
         common / (2 * psi * phi), 2 * m * (l * q - k * z) / common, (h + q - phi) / 2
     )
     c = -(2 - (h + q - phi)) * psi / ((h + q - phi) * (l * q - k * z))
-    p = PROBLEMS[case.problem]
+    p = get_problem(case.problem)
     sp = case.source_params
     g0 = c * (sp.get("a0_scale", 0.0) * p.x0 + sp.get("a0_shift", 0.0))
     qh = qh_trajectory(printed, p, case.steps, initial_buffer=g0)

@@ -37,14 +37,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
-    "PROBLEMS",
     "SGD",
     "SOURCES",
     "AccSGD",
     "Adam",
     "AnPID",
     "NAdam",
-    "Problem",
     "RMSprop",
     "RechtPID",
     "RobustMomentum",
@@ -58,7 +56,7 @@ __all__ = [
 
 F64 = NDArray[np.float64]
 State = dict[str, Any]
-GradFn = Callable[[F64], F64]
+GradFn = Callable[[F64, int], F64]  # gradient at x on step t (Problem.grad)
 
 
 def run(algo: Any, grad_fn: GradFn, x0: F64, steps: int) -> F64:
@@ -69,8 +67,8 @@ def run(algo: Any, grad_fn: GradFn, x0: F64, steps: int) -> F64:
     """
     state = algo.init(np.array(x0, dtype=np.float64))
     traj = [algo.point(state)]
-    for _ in range(steps):
-        state = algo.update(state, grad_fn(traj[-1]))
+    for t in range(steps):
+        state = algo.update(state, grad_fn(traj[-1], t))
         traj.append(algo.point(state))
     return np.stack(traj)
 
@@ -449,47 +447,3 @@ def run_source(name: str, grad_fn: GradFn, x0: F64, steps: int, **params: Any) -
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     return run(SOURCES[name](**params), grad_fn, x0, steps)
-
-
-# ---------------------------------------------------------------------- problems
-@dataclass(frozen=True)
-class Problem:
-    """A deterministic closed-loop gradient oracle with its starting point."""
-
-    name: str
-    x0: F64
-    grad: GradFn
-
-
-def _quadratic() -> Problem:
-    # f(x) = 0.5 (x - x*)^T A (x - x*); spectrum in [1, 100] (mu = 1, L = 100).
-    rng = np.random.default_rng(20190101)
-    q, _ = np.linalg.qr(rng.standard_normal((6, 6)))
-    a = q @ np.diag(np.geomspace(1.0, 100.0, 6)) @ q.T
-    xstar = np.array([3.0, -2.0, 1.5, 4.0, -1.0, 2.5])
-    return Problem("quadratic", np.zeros(6), lambda x: a @ (x - xstar))
-
-
-def _rosenbrock() -> Problem:
-    def grad(x: F64) -> F64:
-        return np.array(
-            [-2 * (1 - x[0]) - 400 * x[0] * (x[1] - x[0] ** 2), 200 * (x[1] - x[0] ** 2)]
-        )
-
-    return Problem("rosenbrock", np.array([-1.2, 1.0]), grad)
-
-
-def _logistic() -> Problem:
-    # L2-regularized logistic regression (bias column included), 64 samples, 4 features.
-    rng = np.random.default_rng(7)
-    feats = np.hstack([rng.standard_normal((64, 3)), np.ones((64, 1))])
-    labels = (feats @ np.array([1.5, -2.0, 0.5, 1.0]) + rng.standard_normal(64) > 0) * 1.0
-
-    def grad(x: F64) -> F64:
-        p = 1 / (1 + np.exp(-(feats @ x)))
-        return feats.T @ (p - labels) / 64 + 0.01 * x  # type: ignore[no-any-return]
-
-    return Problem("logistic", np.array([0.5, 0.5, -0.5, 0.25]), grad)
-
-
-PROBLEMS: dict[str, Problem] = {p.name: p for p in (_quadratic(), _rosenbrock(), _logistic())}

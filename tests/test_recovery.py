@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conformance import recovery, sources
+from conformance.problems import get_problem
 from qhoptim import convert
 
 CASES = recovery.load_cases()
@@ -20,7 +21,7 @@ def test_recovery_case(case: recovery.RecoveryCase) -> None:
     assert row.passed
     # The case is not trivial: the source moves and stays finite.
     traj = case.source_trajectory()
-    assert traj.shape == (case.steps + 1, sources.PROBLEMS[case.problem].x0.size)
+    assert traj.shape == (case.steps + 1, get_problem(case.problem).x0.size)
     assert np.all(np.isfinite(traj))
     assert np.max(np.abs(traj - traj[0])) > 1e-2
 
@@ -35,7 +36,7 @@ def test_every_conversion_has_recovery_cases() -> None:
 @pytest.mark.parametrize("case", [c for c in CASES if c.exactness != "exact"], ids=lambda c: c.name)
 def test_modulo_bias_correction_cases_really_need_it(case: recovery.RecoveryCase) -> None:
     # With bias correction on both sides the trajectories differ: "modulo" is honest.
-    problem = sources.PROBLEMS[case.problem]
+    problem = get_problem(case.problem)
     overrides = {"bias_correction": True} if "bias_correction" in case.source_params else {}
     qh = recovery.qh_trajectory(case.converted(), problem, case.steps, bias_correction=True)
     dev = recovery.max_relative_deviation(case.source_trajectory(**overrides), qh)
@@ -75,7 +76,7 @@ def test_max_relative_deviation_counts_non_finite_as_inf() -> None:
 )
 def test_snv_round_trip_closed_loop(alpha: float, nu: float, beta: float) -> None:
     # QHM -> SNV (App. C.4's inverse formulas) -> naive SNV trajectory == QHM trajectory.
-    problem = sources.PROBLEMS["quadratic"]
+    problem = get_problem("quadratic-kappa100")
     snv = sources.SynthesizedNesterov(alpha * (1 - beta), beta, (1 - nu) * beta / (1 - beta))
     src = sources.run(snv, problem.grad, problem.x0, 100)
     qh = recovery.qh_trajectory(convert.QHMParams(alpha, nu, beta), problem, 100)
