@@ -7,6 +7,7 @@ Sessions:
   lint         ruff (lint + format check) and mypy --strict on the core
   torch        qhoptim.torch: its tests and its conformance rows
   optax        qhoptim.optax: its tests, doctests, example and conformance rows
+  sweep        the paper's parameter sweep, --quick smoke run (full: see docs/sweep.md)
   demo         one problem through every installed backend, agreement printed
 
 Every install uses ``.ci/constraints.txt`` (pins torch to the offline CPU wheel).
@@ -26,7 +27,7 @@ CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))
 ARTIFACTS = ROOT / "artifacts"
 BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras")
 
-nox.options.sessions = ["lint", "tests", "conformance", "optax"]
+nox.options.sessions = ["lint", "tests", "conformance", "optax", "sweep"]
 nox.options.error_on_missing_interpreters = True
 if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
     nox.options.envdir = envdir
@@ -122,6 +123,15 @@ def optax(session: nox.Session) -> None:
         "--markdown",
         str(ARTIFACTS / "conformance-optax.md"),
     )
+
+
+@nox.session(python=PYTHON)
+def sweep(session: nox.Session) -> None:
+    _install(session, "jax")
+    session.install("scikit-learn", "matplotlib", *CONSTRAINTS)
+    out = ARTIFACTS / ("sweep" if "--full" in session.posargs else "sweep-quick")
+    quick = [] if "--full" in session.posargs else ["--quick"]
+    session.run("python", "benchmarks/sweep.py", *quick, "--out", str(out))
 
 
 @nox.session(python=PYTHON)
