@@ -1,6 +1,6 @@
 """Time one jitted optimizer step (update + apply) of qhoptim.optax against optax.
 
-    python benchmarks/optax_step.py [--repeats 40]
+    python -m benchmarks.optax_step [--repeats 40]
 
 For ResNet-18-shaped float32 parameters and 500 tensors of 1,000 elements,
 with and without buffer donation, interleaving the optimizers round by round

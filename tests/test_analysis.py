@@ -191,6 +191,7 @@ def test_bound_never_exceeded_by_random_streams(nu1, beta1, nu2, beta2):
 @pytest.mark.parametrize("t", [1, 3, 6])
 def test_bound_never_exceeded_by_adversarial_search(nu1, beta1, nu2, beta2, t):
     from scipy import optimize
+
     rng = np.random.default_rng(1810_06801 + t)
     bound = qhadam_update_bound(nu1, beta1, nu2, beta2, t)
 

@@ -139,6 +139,7 @@ def test_robust_momentum_rate_on_quadratics(kappa: float) -> None:
     # On f = lam/2 x^2 with lam in [l/kappa, l] QHM's iteration has spectral
     # radius <= rho, with equality attained: the worst-case rate of the paper.
     import numpy as np
+
     l = 2.0  # noqa: E741
     for rho in np.linspace(1 - 1 / math.sqrt(kappa), 1 - 1 / kappa, 4):
         p = convert.from_robust_momentum(l, kappa, float(rho))
@@ -437,6 +438,7 @@ def test_non_numbers_are_type_errors() -> None:
 
 def test_numpy_scalars_are_accepted() -> None:
     import numpy as np
+
     p = convert.from_momentum(np.float32(0.5), np.float64(0.5))
     assert p == QHMParams(1.0, 1.0, 0.5) and all(type(v) is float for v in p)
 

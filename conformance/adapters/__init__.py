@@ -31,6 +31,8 @@ __all__ = ["REGISTRY", "Adapter", "closed_loop", "load_adapter"]
 
 REGISTRY: dict[str, str] = {
     "numpy": "conformance.adapters.numpy_rules:NumpyAdapter",
+    "torch": "conformance.adapters.torch:TorchAdapter",
+    "torch-foreach": "conformance.adapters.torch:TorchForeachAdapter",
     "optax": "conformance.adapters.optax:OptaxAdapter",
 }
 

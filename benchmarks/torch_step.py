@@ -1,0 +1,184 @@
+"""Time one optimizer step of ``qhoptim.torch`` against torch's own optimizers.
+
+Usage::
+
+    python -m benchmarks.torch_step [--steps 30] [--warmup 5] [--qhoptim-110 DIR]
+                                    [--shapes resnet18 small] [--device cpu] [--threads N]
+
+Two parameter sets (``benchmarks/shapes.py``): the 62 tensors of torchvision's
+ResNet-18 (11,689,512 float32 values) and 500 tensors of 1,000 values. For each
+set every optimizer gets its own parameters and fixed gradients; after a
+warm-up the optimizers step *interleaved* (one step each, round robin) so that
+machine noise hits all of them alike, and the median of ``--steps`` steps is
+reported, with ratios against torch's ``SGD(momentum=0.9, nesterov=True)``
+and ``Adam`` on their for-loop, foreach and fused implementations. qhoptim
+1.1.0 is timed too when ``--qhoptim-110`` names a directory it was installed
+into (``pip install --no-deps --target DIR qhoptim==1.1.0``).
+
+The targets: QHM <= 1.0x and QHAdam <= 1.15x torch's fastest *non-fused*
+implementation of SGD-Nesterov / Adam on the same parameters; the default
+(``foreach=None``) should be the faster of qhoptim's two implementations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.shapes import RESNET18, SMALL
+from qhoptim.torch import QHM, QHAdam
+
+SHAPES = {"resnet18": RESNET18, "small": SMALL}
+
+QHM_KW = {"lr": 1.0, "momentum": 0.999, "nu": 0.7}  # the paper's rule of thumb
+QHADAM_KW = {"lr": 1e-3, "betas": (0.999, 0.999), "nus": (0.7, 1.0)}  # the paper's QH default
+QHADAM_NU2_KW = {"lr": 1e-3, "betas": (0.95, 0.98), "nus": (0.8, 0.7)}  # the paper's NMT setting
+
+
+def load_qhoptim_110(target: Path) -> Any:
+    """qhoptim 1.1.0's ``pyt`` module, loaded from ``target`` as ``qhoptim_1_1_0``."""
+    root = target / "qhoptim"
+    spec = importlib.util.spec_from_file_location(
+        "qhoptim_1_1_0", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no qhoptim package under {target}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["qhoptim_1_1_0"] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module("qhoptim_1_1_0.pyt")
+
+
+def candidates(qh110: Any) -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
+    sgd = {"lr": 0.1, "momentum": 0.9, "nesterov": True}
+    c: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+        "torch SGD-nesterov loop": lambda p: torch.optim.SGD(p, **sgd, foreach=False),
+        "torch SGD-nesterov foreach": lambda p: torch.optim.SGD(p, **sgd, foreach=True),
+        "torch SGD-nesterov fused": lambda p: torch.optim.SGD(p, **sgd, fused=True),
+        "torch Adam loop": lambda p: torch.optim.Adam(p, foreach=False),
+        "torch Adam foreach": lambda p: torch.optim.Adam(p, foreach=True),
+        "torch Adam fused": lambda p: torch.optim.Adam(p, fused=True),
+        "QHM loop": lambda p: QHM(p, **QHM_KW, foreach=False),
+        "QHM foreach": lambda p: QHM(p, **QHM_KW, foreach=True),
+        "QHM default": lambda p: QHM(p, **QHM_KW),
+        "QHAdam loop": lambda p: QHAdam(p, **QHADAM_KW, foreach=False),
+        "QHAdam foreach": lambda p: QHAdam(p, **QHADAM_KW, foreach=True),
+        "QHAdam default": lambda p: QHAdam(p, **QHADAM_KW),
+        "QHAdam nu2<1 loop": lambda p: QHAdam(p, **QHADAM_NU2_KW, foreach=False),
+        "QHAdam nu2<1 foreach": lambda p: QHAdam(p, **QHADAM_NU2_KW, foreach=True),
+    }
+    if qh110 is not None:
+        c["qhoptim 1.1.0 QHM"] = lambda p: qh110.QHM(p, **QHM_KW)
+        c["qhoptim 1.1.0 QHAdam"] = lambda p: qh110.QHAdam(p, **QHADAM_KW)
+    return c
+
+
+def time_steps(
+    makers: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]],
+    shapes: list[tuple[int, ...]],
+    *,
+    steps: int,
+    warmup: int,
+    device: str,
+) -> dict[str, float]:
+    """Median ms per step of each optimizer, stepping them interleaved."""
+    gen = torch.Generator().manual_seed(0)
+    opts = {}
+    for name, make in makers.items():
+        params = [torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(device) * 1e-3
+        opts[name] = make(params)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in opts}
+    for i in range(warmup + steps):
+        for name, opt in opts.items():
+            sync()
+            t0 = time.perf_counter()
+            opt.step()
+            sync()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def report(shape_name: str, ms: dict[str, float]) -> list[str]:
+    def best(prefix: str) -> tuple[str, float]:
+        rows = [(ms[n], n) for n in ms if n.startswith(prefix) and not n.endswith("fused")]
+        t, n = min(rows)
+        return n, t
+
+    if not all(any(n.startswith(k) for n in ms) for k in ("torch SGD", "torch Adam", "QH")):
+        return [f"\n### {shape_name}", *(f"{n}: {t:.2f} ms" for n, t in ms.items())]
+    sgd_name, sgd = best("torch SGD")
+    adam_name, adam = best("torch Adam")
+    lines = [
+        f"\n### {shape_name}: {sum(torch.Size(s).numel() for s in SHAPES[shape_name]):,} values "
+        f"in {len(SHAPES[shape_name])} tensors",
+        "",
+        f"| optimizer | ms/step | vs {sgd_name} | vs {adam_name} |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, t in ms.items():
+        lines.append(f"| {name} | {t:.2f} | {t / sgd:.2f}x | {t / adam:.2f}x |")
+    qhm_default, qhadam_default = ms["QHM default"], ms["QHAdam default"]
+    lines += [
+        "",
+        f"QHM default / best non-fused SGD-nesterov = {qhm_default / sgd:.2f}x (target <= 1.00x)",
+        f"QHAdam default / best non-fused Adam = {qhadam_default / adam:.2f}x (target <= 1.15x)",
+    ]
+    for opt in ("QHM", "QHAdam"):
+        faster = "loop" if ms[f"{opt} loop"] < ms[f"{opt} foreach"] else "foreach"
+        lines.append(f"{opt}: faster implementation here: {faster}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--qhoptim-110", type=Path, help="directory qhoptim 1.1.0 is installed in")
+    parser.add_argument("--only", nargs="+", help="time only optimizers whose name contains one")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    qh110 = None
+    if args.qhoptim_110 is not None:
+        qh110 = load_qhoptim_110(args.qhoptim_110)
+        # 1.1.0 calls the deprecated add_(Number, Tensor) overloads.
+        warnings.filterwarnings("ignore", message="This overload of", category=UserWarning)
+
+    print(
+        f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, "
+        f"median of {args.steps} interleaved steps after {args.warmup} warm-up steps"
+    )
+    for shape_name in args.shapes:
+        makers = candidates(qh110)
+        if args.only:
+            makers = {n: m for n, m in makers.items() if any(o in n for o in args.only)}
+        ms = time_steps(
+            makers,
+            SHAPES[shape_name],
+            steps=args.steps,
+            warmup=args.warmup,
+            device=args.device,
+        )
+        print("\n".join(report(shape_name, ms)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

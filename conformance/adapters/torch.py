@@ -1,0 +1,90 @@
+"""The torch adapters: :mod:`qhoptim.torch` driven through every case.
+
+``TorchAdapter`` takes the per-tensor implementation (``foreach=False``),
+``TorchForeachAdapter`` the multi-tensor one (``foreach=True``); both run in
+float32 and float64. Each step writes the case's learning rate into the param
+group (as an lr scheduler does), sets ``p.grad`` and calls ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..cases import Case
+from . import closed_loop
+
+__all__ = ["TorchAdapter", "TorchForeachAdapter"]
+
+
+def _optimizer(case: Case, params: list[Any], foreach: bool) -> Any:
+    from qhoptim.torch import QHM, QHAdam, QHAdamW
+
+    hp = case.hparams
+    wd = hp.get("weight_decay", 0.0)
+    decoupled = case.weight_decay_mode == "decoupled"
+    if case.optimizer == "qhm":
+        return QHM(
+            params,
+            lr=hp["lr"],
+            momentum=hp["momentum"],
+            nu=hp["nu"],
+            weight_decay=wd,
+            weight_decay_type="direct" if decoupled else "grad",
+            foreach=foreach,
+        )
+    common = {
+        "lr": hp["lr"],
+        "betas": tuple(hp["betas"]),
+        "nus": tuple(hp["nus"]),
+        "eps": hp["eps"],
+        "weight_decay": wd,
+        "foreach": foreach,
+    }
+    if case.optimizer == "qhadamw":
+        return QHAdamW(params, **common)
+    return QHAdam(params, decouple_weight_decay=decoupled, **common)
+
+
+class TorchAdapter:
+    name = "torch"
+    foreach = False
+
+    def available(self) -> bool:
+        try:
+            import torch  # noqa: F401
+
+            import qhoptim.torch  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def supports(self, case: Case, dtype: str) -> bool:
+        return dtype in ("float32", "float64")
+
+    def run(self, case: Case, dtype: str) -> np.ndarray:
+        import torch
+
+        torch_dtype = getattr(torch, dtype)
+
+        def step(opt: Any, params: list[Any], grads: list[Any], lr: float) -> list[Any]:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            opt.step()
+            return params
+
+        return closed_loop(
+            case,
+            to_backend=lambda a: torch.tensor(np.asarray(a), dtype=torch_dtype),
+            to_numpy=lambda t: t.detach().numpy().astype(np.float64),
+            make=lambda params: _optimizer(case, params, self.foreach),
+            step=step,
+        )
+
+
+class TorchForeachAdapter(TorchAdapter):
+    name = "torch-foreach"
+    foreach = True

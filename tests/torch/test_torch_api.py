@@ -1,0 +1,286 @@
+"""The public surface: classes, signatures (a superset of qhoptim 1.1.0), errors, dispatch."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from unittest import mock
+
+import pytest
+import torch
+
+import qhoptim.torch as qht
+from qhoptim import convert, validation
+from qhoptim.torch import QHM, QHAdam, QHAdamW
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))]
+
+
+# ------------------------------------------------------------------- classes
+@pytest.mark.parametrize("cls", [QHM, QHAdam, QHAdamW])
+def test_classes_are_torch_optimizers(cls: type) -> None:
+    assert issubclass(cls, torch.optim.Optimizer)
+    opt = cls(_params(), lr=0.1)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert "Args:" in (cls.__doc__ or "")
+    for fragment in ("maximize (bool, optional)", "foreach (bool, optional)", "differentiable"):
+        assert fragment in (cls.__doc__ or "")
+
+
+def test_pyt_alias_keeps_the_1_1_0_import_path() -> None:
+    from qhoptim.pyt import QHM as PytQHM
+    from qhoptim.pyt import QHAdam as PytQHAdam
+    from qhoptim.pyt import QHAdamW as PytQHAdamW
+
+    assert (PytQHM, PytQHAdam, PytQHAdamW) == (QHM, QHAdam, QHAdamW)
+
+
+def test_qhadamw_is_a_class_with_decoupled_decay() -> None:
+    opt = QHAdamW(_params())
+    assert isinstance(opt, QHAdam)
+    assert opt.defaults["decouple_weight_decay"] is True
+    assert opt.defaults["weight_decay"] == 1e-2  # torch's AdamW default
+
+
+# ---------------------------------------------------------------- signatures
+def _positional(cls: type) -> list[str]:
+    sig = inspect.signature(cls.__init__)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+    return [n for n, p in sig.parameters.items() if p.kind in kinds][1:]  # drop self
+
+
+def _keyword_only(cls: type) -> list[str]:
+    sig = inspect.signature(cls.__init__)
+    return [n for n, p in sig.parameters.items() if p.kind == inspect.Parameter.KEYWORD_ONLY]
+
+
+def test_signatures_extend_qhoptim_1_1_0() -> None:
+    # qhoptim 1.1.0's positional arguments, names and order (qhoptim/pyt/*.py).
+    assert _positional(QHM) == [
+        "params",
+        "lr",
+        "momentum",
+        "nu",
+        "weight_decay",
+        "weight_decay_type",
+    ]
+    assert _positional(QHAdam) == [
+        "params",
+        "lr",
+        "betas",
+        "nus",
+        "weight_decay",
+        "decouple_weight_decay",
+        "eps",
+    ]
+    # QHAdamW(params, *args) forwarded to QHAdam with decouple_weight_decay=True.
+    assert _positional(QHAdamW) == ["params", "lr", "betas", "nus", "weight_decay", "eps"]
+    for cls in (QHM, QHAdam, QHAdamW):
+        assert _keyword_only(cls) == ["maximize", "foreach", "capturable", "differentiable"]
+
+
+def test_defaults() -> None:
+    # 1.1.0 required momentum and nu: they default to the paper's rule of thumb.
+    # lr stays required, as in 1.1.0 (unless every param group sets its own).
+    qhm = QHM(_params(), lr=1.0)
+    assert qhm.defaults["momentum"] == 0.999 and qhm.defaults["nu"] == 0.7
+    assert qhm.defaults["weight_decay"] == 0.0 and qhm.defaults["weight_decay_type"] == "grad"
+    with pytest.raises(ValueError, match="required optimization parameter lr"):
+        QHM(_params())
+    per_group = QHM([{"params": _params(), "lr": 0.5}])
+    assert per_group.param_groups[0]["lr"] == 0.5
+    # QHAdam keeps 1.1.0's defaults (those of Adam).
+    qhadam = QHAdam(_params())
+    assert qhadam.defaults["lr"] == 1e-3 and qhadam.defaults["betas"] == (0.9, 0.999)
+    assert qhadam.defaults["nus"] == (1.0, 1.0) and qhadam.defaults["eps"] == 1e-8
+    assert qhadam.defaults["decouple_weight_decay"] is False
+    for opt in (qhm, qhadam):
+        flags = {
+            k: opt.defaults[k] for k in ("maximize", "foreach", "capturable", "differentiable")
+        }
+        assert flags == {
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+        }
+
+
+def test_1_1_0_style_calls_still_work() -> None:
+    params = _params()
+    QHM(params, 1.0, 0.999, 0.7, 1e-4, "direct")
+    QHM(params, nu=0.7, momentum=0.999, lr=1.0)
+    QHAdam(params, 3e-4, (0.99, 0.999), (0.8, 1.0), 1e-4, True, 1e-8)
+    QHAdamW(params, 3e-4, (0.99, 0.999), (0.8, 1.0), 1e-4, eps=1e-6)
+    QHAdam(params, weight_decay=1e-4, **QHAdam.from_nadam(lr=1e-3, betas=(0.9, 0.999)))
+    QHM(params, weight_decay=1e-4, **QHM.from_pid(k_p=-0.1, k_i=1.0, k_d=3.0))
+
+
+# -------------------------------------------------------------------- errors
+def _core_message(check, value, name: str) -> str:
+    with pytest.raises(ValueError) as info:
+        check(value, name)
+    return str(info.value)
+
+
+QHM_ERRORS = [
+    ({"lr": -0.1}, validation.check_lr, -0.1, "lr"),
+    ({"lr": math.inf}, validation.check_lr, math.inf, "lr"),
+    ({"lr": 0.1, "momentum": 1.2}, validation.check_beta, 1.2, "momentum"),
+    ({"lr": 0.1, "momentum": 1.0}, validation.check_beta, 1.0, "momentum"),
+    ({"lr": 0.1, "momentum": -0.5}, validation.check_beta, -0.5, "momentum"),
+    ({"lr": 0.1, "nu": math.nan}, validation.check_nu, math.nan, "nu"),
+    ({"lr": 0.1, "nu": -math.inf}, validation.check_nu, -math.inf, "nu"),
+    ({"lr": 0.1, "weight_decay": -1e-4}, validation.check_weight_decay, -1e-4, "weight_decay"),
+]
+QHADAM_ERRORS = [
+    ({"lr": -1e-3}, validation.check_lr, -1e-3, "lr"),
+    ({"betas": (1.0, 0.999)}, validation.check_beta, 1.0, "betas[0]"),
+    ({"betas": (-0.1, 0.999)}, validation.check_beta, -0.1, "betas[0]"),
+    ({"betas": (0.9, 1.5)}, validation.check_beta, 1.5, "betas[1]"),
+    ({"nus": (math.nan, 1.0)}, validation.check_nu, math.nan, "nus[0]"),
+    ({"nus": (0.7, 1.5)}, validation.check_nu2, 1.5, "nus[1]"),
+    ({"nus": (0.7, -0.1)}, validation.check_nu2, -0.1, "nus[1]"),
+    ({"eps": -1e-8}, validation.check_eps, -1e-8, "eps"),
+    ({"weight_decay": -0.1}, validation.check_weight_decay, -0.1, "weight_decay"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "check", "value", "name"), QHM_ERRORS)
+def test_qhm_errors_are_the_core_messages(kwargs, check, value, name) -> None:
+    expected = _core_message(check, value, name)
+    with pytest.raises(ValueError) as info:
+        QHM(_params(), **kwargs)
+    assert str(info.value) == expected
+    # ... also for a param group added later (torch only checks the defaults).
+    opt = QHM(_params(), lr=0.1)
+    with pytest.raises(ValueError) as info:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))], **kwargs})
+    assert str(info.value) == expected
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [QHAdam, QHAdamW])
+@pytest.mark.parametrize(("kwargs", "check", "value", "name"), QHADAM_ERRORS)
+def test_qhadam_errors_are_the_core_messages(cls, kwargs, check, value, name) -> None:
+    expected = _core_message(check, value, name)
+    with pytest.raises(ValueError) as info:
+        cls(_params(), **kwargs)
+    assert str(info.value) == expected
+
+
+def test_error_wording() -> None:
+    with pytest.raises(ValueError, match=r"^momentum must be in \[0, 1\); received momentum=1.2$"):
+        QHM(_params(), lr=0.1, momentum=1.2)
+    with pytest.raises(ValueError, match=r"^nus\[1\] must be in \[0, 1\]; received nus\[1\]=2$"):
+        QHAdam(_params(), nus=(1.0, 2))
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        (
+            QHM,
+            {"lr": 0.1, "weight_decay_type": "l2"},
+            "weight_decay_type must be 'grad' or 'direct'",
+        ),
+        (
+            QHAdam,
+            {"betas": (0.9,)},
+            r"betas must be a pair of two numbers; received betas=\(0.9,\)",
+        ),
+        (QHAdam, {"nus": (1.0, 1.0, 1.0)}, "nus must be a pair of two numbers"),
+        (QHM, {"lr": torch.tensor([0.1, 0.2])}, "Tensor lr must be 1-element"),
+        (QHM, {"lr": torch.tensor(-1.0)}, r"^lr must be in \[0, inf\); received lr=-1.0$"),
+        (QHAdam, {"lr": torch.tensor([-1.0])}, r"^lr must be in \[0, inf\); received lr=-1.0$"),
+    ],
+)
+def test_other_invalid_arguments(cls, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls(_params(), **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+@pytest.mark.parametrize("cls", [QHM, QHAdam, QHAdamW])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_sparse_gradients_raise_naming_the_optimizer(cls, foreach) -> None:
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = cls([p], lr=0.1, foreach=foreach)
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([2.0]), (4,))
+    with pytest.raises(RuntimeError, match=f"^{cls.__name__} does not support sparse gradients"):
+        opt.step()
+
+
+def test_base_class_checks_still_apply() -> None:
+    with pytest.raises(ValueError, match="empty parameter list"):
+        QHM([], lr=0.1)
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="some parameters appear in more than one"):
+        QHAdam([{"params": [p]}, {"params": [p]}])
+
+
+# --------------------------------------------------------------- conversions
+QHM_CONVERSIONS = [
+    ("from_sgd", {"lr": 0.1}),
+    ("from_momentum", {"lr": 0.1, "momentum": 0.9}),
+    ("from_nesterov", {"lr": 0.1, "momentum": 0.9}),
+    ("from_pid", {"k_p": -0.1, "k_i": 1.0, "k_d": 3.0}),
+    ("from_synthesized_nesterov", {"alpha": 0.1, "beta1": 0.9, "beta2": 0.6}),
+    ("from_robust_momentum", {"l": 5.0, "kappa": 15.0}),
+    ("from_robust_momentum", {"l": 5.0, "kappa": 15.0, "rho": 0.9}),
+    ("from_triple_momentum", {"l": 5.0, "kappa": 15.0}),
+    ("from_an_pid", {"r": 0.1, "k_d": 0.5, "beta": 0.9}),
+    ("from_accsgd", {"delta": 0.1, "kappa": 1000.0, "xi": 10.0}),
+    ("from_two_state_optimizer", {"h": 0.9, "k": 0.0, "l": 0.1, "m": -0.09, "q": 1.0, "z": -0.01}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), QHM_CONVERSIONS)
+def test_qhm_conversions_return_constructor_kwargs(name, kwargs) -> None:
+    got = getattr(QHM, name)(**kwargs)
+    assert got == getattr(convert, name)(**kwargs).as_kwargs()
+    assert set(got) == {"lr", "momentum", "nu"}
+    QHM(_params(), weight_decay=1e-4, **got)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "convert_args"),
+    [
+        ("from_adam", {"lr": 1e-3, "betas": (0.9, 0.999)}, (1e-3, (0.9, 0.999), 1e-8)),
+        ("from_nadam", {"lr": 2e-3, "betas": (0.95, 0.99)}, (2e-3, (0.95, 0.99), 1e-8)),
+        ("from_rmsprop", {"lr": 1e-2, "alpha": 0.99}, (1e-2, 0.99, 1e-8)),
+    ],
+)
+def test_qhadam_conversions(name, args, convert_args) -> None:
+    want = getattr(convert, name)(*convert_args).as_kwargs()
+    # Without eps, the kwargs leave it out (as 1.1.0's from_nadam), so eps=... can be passed.
+    got = getattr(QHAdam, name)(**args)
+    assert got == {k: v for k, v in want.items() if k != "eps"}
+    QHAdam(_params(), eps=1e-6, **got)
+    got_eps = getattr(QHAdam, name)(**args, eps=1e-6)
+    assert got_eps["eps"] == 1e-6
+    QHAdamW(_params(), **got_eps)
+
+
+# ------------------------------------------------------------ default choice
+@pytest.mark.parametrize(
+    ("cls", "multi"), [(QHM, "_multi_tensor_qhm"), (QHAdam, "_multi_tensor_qhadam")]
+)
+def test_default_implementation(cls, multi) -> None:
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    # CPU: foreach, chosen by measurement (benchmarks/torch_step.py).
+    with mock.patch.object(qht, multi) as patched:
+        cls(params, lr=0.1).step()
+    patched.assert_called_once()
+    # foreach=False and differentiable=True keep the per-tensor loop.
+    plain = [p.detach() for p in params]  # differentiable steps cannot write to leaves
+    for p, q in zip(plain, params, strict=True):
+        p.grad = q.grad
+    for kwargs in ({"foreach": False}, {"differentiable": True}):
+        with mock.patch.object(qht, multi) as patched:
+            cls(plain, lr=0.1, **kwargs).step()
+        patched.assert_not_called()

@@ -1,0 +1,111 @@
+"""CUDA: the default implementation, foreach = loop, capturable steps in a CUDA graph.
+
+Skipped where no CUDA device is present (CI); run on a GPU machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from qh_torch_testing import assert_trajectories_close, random_grads, reference_trajectory
+
+import qhoptim.torch as qht
+from qhoptim.torch import QHM, QHAdam, QHAdamW
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+F64 = torch.float64
+CONFIGS: list[tuple[type, dict[str, Any]]] = [
+    (QHM, {"lr": 0.5, "weight_decay": 0.1}),
+    (QHAdam, {"lr": 0.01, "nus": (0.7, 0.8), "weight_decay": 0.1}),
+    (QHAdamW, {"lr": 0.01, "nus": (0.7, 1.0), "maximize": True}),
+]
+IDS = [cls.__name__ for cls, _ in CONFIGS]
+SHAPES = [(3, 2), (5,), (0,)]
+
+
+def _cuda_params(dtype: torch.dtype = F64) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype).cuda()) for s in SHAPES]
+
+
+def _run(opt: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> list[Any]:
+    out = []
+    for step in grads:
+        for p, g in zip(params, step, strict=True):
+            p.grad = g.to(p.device, p.dtype)
+        opt.step()
+        out.append([p.detach().cpu().numpy().copy() for p in params])
+    return out
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_default_is_foreach_on_cuda(cls: type, kwargs: dict[str, Any]) -> None:
+    params = _cuda_params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    name = "_multi_tensor_qhm" if cls is QHM else "_multi_tensor_qhadam"
+    with mock.patch.object(qht, name) as patched:
+        cls(params, **kwargs).step()
+    patched.assert_called_once()
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize("variant", ["loop", "foreach", "capturable"])
+def test_cuda_matches_the_reference(cls: type, kwargs: dict[str, Any], variant: str) -> None:
+    params = _cuda_params()
+    params0 = [p.detach().cpu() for p in params]
+    grads = random_grads(SHAPES, 6)
+    flags = {"foreach": variant == "foreach", "capturable": variant == "capturable"}
+    got = _run(cls(params, **kwargs, **flags), params, grads)
+    want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
+    assert_trajectories_close(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize("foreach", [False, True])
+def test_capturable_step_replays_in_a_cuda_graph(
+    cls: type, kwargs: dict[str, Any], foreach: bool
+) -> None:
+    params = _cuda_params(torch.float32)
+    params0 = [p.detach().cpu().double() for p in params]
+    grads = random_grads(SHAPES, 8)
+    lr = torch.tensor(kwargs["lr"], device="cuda")  # a tensor lr, changed between replays
+    opt = cls(params, **{**kwargs, "lr": lr}, foreach=foreach, capturable=True)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    static_grads = [p.grad for p in params]
+
+    got = []
+    # Two eager steps (state initialization, and warm-up on a side stream), then replays.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for t in range(2):
+            for g, new in zip(static_grads, grads[t], strict=True):
+                g.copy_(new)
+            opt.step()
+            got.append([p.detach().cpu().double().numpy().copy() for p in params])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    lrs = [kwargs["lr"]] * 2
+    for t in range(2, len(grads)):
+        lrs.append(kwargs["lr"] * 0.5 ** (t - 1))
+        lr.fill_(lrs[-1])
+        for g, new in zip(static_grads, grads[t], strict=True):
+            g.copy_(new)
+        graph.replay()
+        got.append([p.detach().cpu().double().numpy().copy() for p in params])
+    torch.cuda.synchronize()
+    grads64 = [[g.float().double() for g in step] for step in grads]
+    want = reference_trajectory(
+        cls, kwargs, params0, grads64, lrs, maximize=kwargs.get("maximize", False)
+    )
+    assert_trajectories_close(got, want, rtol=1e-5)
+    if cls is not QHM:
+        assert all(s["step"].is_cuda and float(s["step"]) == len(grads) for s in opt.state.values())

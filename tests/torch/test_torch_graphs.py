@@ -1,0 +1,104 @@
+"""``differentiable=True`` under gradcheck, and ``torch.compile`` against eager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+
+from qhoptim.torch import QHM, QHAdam, QHAdamW
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------- autograd
+def _step_fn(cls: type, kwargs: dict[str, Any], state_keys: tuple[str, ...]) -> Any:
+    """(param, grad, lr, *state) -> (new param, *new state) through one differentiable step."""
+
+    def fn(p: torch.Tensor, grad: torch.Tensor, lr: torch.Tensor, *state: torch.Tensor) -> Any:
+        p = p.clone()  # a non-leaf, so the step may write to it under autograd
+        p.grad = grad
+        opt = cls([p], lr=lr, **kwargs, differentiable=True)
+        opt.state[p].update({k: v.clone() for k, v in zip(state_keys, state, strict=True)})
+        if cls is not QHM:
+            opt.state[p]["step"] = torch.tensor(3.0)
+        opt.step()
+        return (p, *(opt.state[p][k] for k in state_keys))
+
+    return fn
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (QHM, {"momentum": 0.9, "nu": 0.7, "weight_decay": 0.1}),
+        (QHM, {"nu": 1.2, "weight_decay": 0.1, "weight_decay_type": "direct", "maximize": True}),
+        (QHAdam, {"nus": (0.7, 0.8), "weight_decay": 0.1}),
+        (QHAdamW, {"nus": (0.7, 1.0), "maximize": True}),
+    ],
+)
+def test_differentiable_step_passes_gradcheck(cls: type, kwargs: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, positive: bool = False) -> torch.Tensor:
+        t = torch.rand(shape, generator=gen, dtype=F64) + 0.1
+        return (t if positive else t - 0.6).requires_grad_()
+
+    keys = ("momentum_buffer",) if cls is QHM else ("exp_avg", "exp_avg_sq")
+    state = [rand(3, 2)] if cls is QHM else [rand(3, 2), rand(3, 2, positive=True)]
+    lr = torch.tensor(0.05, dtype=F64, requires_grad=True)  # hypergradients too
+    inputs = (rand(3, 2), rand(3, 2), lr, *state)
+    assert torch.autograd.gradcheck(_step_fn(cls, kwargs, keys), inputs)
+
+
+# ----------------------------------------------------------------- compile
+def _pair(cls: type, kwargs: dict[str, Any]) -> tuple[Any, Any, list[Any], list[Any]]:
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=gen, dtype=F64) for s in ((5, 3), (4,))]
+    eager_params = [torch.nn.Parameter(b.clone()) for b in base]
+    compiled_params = [torch.nn.Parameter(b.clone()) for b in base]
+    return (
+        cls(eager_params, **kwargs),
+        cls(compiled_params, **kwargs),
+        eager_params,
+        compiled_params,
+    )
+
+
+@pytest.mark.compile
+# Inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (QHM, {"lr": 0.1, "weight_decay": 0.1}),
+        (QHAdamW, {"lr": 0.01, "nus": (0.7, 0.9), "weight_decay": 0.1}),
+    ],
+)
+def test_compiled_step_equals_eager_without_graph_breaks(cls: type, kwargs: dict[str, Any]) -> None:
+    torch._dynamo.reset()
+    eager, compiled, eager_params, compiled_params = _pair(cls, kwargs)
+    step = torch.compile(compiled.step)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(3):
+        for p, q in zip(eager_params, compiled_params, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=F64)
+            q.grad = p.grad.clone()
+        eager.step()
+        if i == 0:  # the first step also initializes the state
+            compiled.step()
+        else:
+            step()
+    for p, q in zip(eager_params, compiled_params, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-13, atol=1e-15)
+    for p, q in zip(eager_params, compiled_params, strict=True):
+        for key, value in eager.state[p].items():
+            torch.testing.assert_close(compiled.state[q][key], value, rtol=1e-13, atol=1e-15)
+
+    explanation = torch._dynamo.explain(compiled.step)()
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    torch._dynamo.reset()
