@@ -46,6 +46,16 @@ def _pytest(session: nox.Session, *args: str) -> None:
     session.run("python", "-m", "pytest", *args, *session.posargs)
 
 
+def _conformance(session: nox.Session, *backends: str, table: str) -> None:
+    # Prints the table and keeps it (Markdown and JSON) under artifacts/.
+    ARTIFACTS.mkdir(exist_ok=True)
+    out = ARTIFACTS / f"conformance-{table}"
+    session.run(
+        "python", "-m", "conformance", "--backends", *backends,
+        "--markdown", f"{out}.md", "--json", f"{out}.json",
+    )  # fmt: skip
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     _install(session, "test")
@@ -69,16 +79,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def conformance(session: nox.Session) -> None:
     _install(session, "test")
-    ARTIFACTS.mkdir(exist_ok=True)
-    session.run(
-        "python",
-        "-m",
-        "conformance",
-        "--backends",
-        "numpy",
-        "--markdown",
-        str(ARTIFACTS / "conformance-numpy.md"),
-    )
+    _conformance(session, "numpy", table="numpy")
     session.run("python", "-m", "conformance.recovery")
 
 
@@ -94,17 +95,7 @@ def lint(session: nox.Session) -> None:
 def torch(session: nox.Session) -> None:
     _install(session, "test,torch")
     _pytest(session, "tests/torch")
-    ARTIFACTS.mkdir(exist_ok=True)
-    session.run(
-        "python",
-        "-m",
-        "conformance",
-        "--backends",
-        "torch",
-        "torch-foreach",
-        "--markdown",
-        str(ARTIFACTS / "conformance-torch.md"),
-    )
+    _conformance(session, "torch", "torch-foreach", table="torch")
 
 
 @nox.session(python=PYTHON)
@@ -113,16 +104,7 @@ def optax(session: nox.Session) -> None:
     session.install("flax", *CONSTRAINTS)  # the Flax example and checkpoint tests
     _pytest(session, "tests/optax")
     _pytest(session, "--doctest-modules", "-p", "no:cacheprovider", "qhoptim/optax.py")
-    ARTIFACTS.mkdir(exist_ok=True)
-    session.run(
-        "python",
-        "-m",
-        "conformance",
-        "--backends",
-        "optax",
-        "--markdown",
-        str(ARTIFACTS / "conformance-optax.md"),
-    )
+    _conformance(session, "optax", table="optax")
 
 
 @nox.session(python=PYTHON)
@@ -139,3 +121,30 @@ def demo(session: nox.Session) -> None:
     extras = session.posargs[0] if session.posargs else "torch,jax"
     _install(session, f"test,{extras}")
     session.run("python", "-m", "conformance.demo")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The documentation site: build (warnings are errors), then test it in Chromium.
+
+    The build runs the example scripts, the conformance suite and the recovery
+    suite and draws the figures (docs/_ext/qhdocs.py). Keras runs on JAX here,
+    so no TensorFlow. The browser test needs Debian's chromium and
+    chromium-driver (.ci/run installs them) and writes artifacts/docs-*.png.
+    """
+    _install(session, "docs,jax,torch,test")
+    env = {"QHOPTIM_DOCS_STRICT": "1", "KERAS_BACKEND": "jax"}
+    html = ROOT / "docs" / "_build" / "html"
+    session.run(
+        "sphinx-build", "-W", "--keep-going", "-E", "-b", "html", "docs", str(html), env=env
+    )
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/docs",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"QHOPTIM_DOCS_REQUIRE": "1", "QHOPTIM_DOCS_HTML": str(html)},
+    )
