@@ -27,7 +27,7 @@ CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))
 ARTIFACTS = ROOT / "artifacts"
 BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras")
 
-nox.options.sessions = ["lint", "tests", "conformance", "torch", "optax", "sweep"]
+nox.options.sessions = ["lint", "tests", "conformance", "torch", "optax", "sweep", "docs"]
 nox.options.error_on_missing_interpreters = True
 if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
     nox.options.envdir = envdir

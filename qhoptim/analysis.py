@@ -4,7 +4,7 @@ Pure Python (``math`` only; no NumPy), for reasoning about hyperparameters
 before training. References are to Ma & Yarats, "Quasi-hyperbolic momentum and
 Adam for deep learning", ICLR 2019 (arXiv:1810.06801).
 
-**Update bound** (appendix G, "(QH)Adam's update bound", fact
+**Update bound** (appendix F, "(QH)Adam's update bound", fact
 ``qhadam-ub``). With :math:`\epsilon = 0` and no bias correction, QHAdam's
 update before the learning rate, :math:`\tilde g_{t+1} / \sqrt{\tilde s_{t+1}}`,
 is built from the gradients :math:`x_0, \dots, x_t` (eqns ``qhadam-g-pre`` /
@@ -41,7 +41,7 @@ zero state (``t = 0`` is the first step, whose bound is
 about 7.27 for :math:`(\beta_1, \beta_2) = (0.9, 0.999)` where Kingma & Ba
 claim :math:`\max(1, (1 - \beta_1)/\sqrt{1 - \beta_2}) \approx 3.16`.
 
-**Variance** (appendix A, fact ``qhwma-variance``, proof in appendix H
+**Variance** (appendix A, fact ``qhwma-variance``, proof in appendix G
 "Miscellaneous derivations"). For iid inputs with covariance :math:`\Sigma`, the
 QHWMA :math:`\sum_{i=0}^t \delta_{QH}(i) x_{t-i}` with
 :math:`\delta_{QH}(0) = 1 - \nu\beta`, :math:`\delta_{QH}(i) = \nu(1-\beta)\beta^i`
@@ -143,7 +143,7 @@ def qhadam_update_bound(
 ) -> float:
     r"""Tight bound on QHAdam's per-coordinate update :math:`|\tilde g / \sqrt{\tilde s}|`.
 
-    Appendix G, fact ``qhadam-ub`` (finite ``t``) and eqn ``qhadam-ub-limit``
+    Appendix F, fact ``qhadam-ub`` (finite ``t``) and eqn ``qhadam-ub-limit``
     (``t=None``), with :math:`\epsilon = 0` and no bias correction:
 
     .. math::
@@ -197,7 +197,7 @@ def adam_update_bound(beta1: float, beta2: float, t: int | None = None) -> float
     r"""Tight bound on Adam's per-coordinate update (no bias correction, :math:`\epsilon = 0`).
 
     :func:`qhadam_update_bound` at :math:`\nu_1 = \nu_2 = 1`; for ``t=None``
-    this is appendix G's eqn ``adam-ub-limit``:
+    this is appendix F's eqn ``adam-ub-limit``:
 
     .. math::
 
@@ -214,7 +214,7 @@ def kingma_ba_claimed_bound(beta1: float, beta2: float) -> float:
     r"""The (incorrect) per-step bound claimed by Kingma & Ba (2015), section 2.1.
 
     :math:`\max(1, (1 - \beta_1) / \sqrt{1 - \beta_2})`, times the learning
-    rate. Appendix G of Ma & Yarats shows it is not a bound: the tight bound is
+    rate. Appendix F of Ma & Yarats shows it is not a bound: the tight bound is
     :func:`adam_update_bound` (7.27 vs the claimed 3.16 at ``(0.9, 0.999)``).
     Provided for comparison only. ``beta1, beta2`` in ``[0, 1)``.
     """
@@ -228,7 +228,7 @@ def qhadam_maximizing_gradients(
 ) -> list[float]:
     r"""A gradient sequence :math:`x_0 \dots x_t` (oldest first) attaining the bound.
 
-    Appendix G, eqn ``qhadam-ub-foc``, *indexed by lag* (the paper's
+    Appendix F, eqn ``qhadam-ub-foc``, *indexed by lag* (the paper's
     :math:`x_i` there must be read as :math:`x_{t-i}`; see the module
     docstring): :math:`x = C^{-1} a`, the weights of :math:`\tilde g` over
     those of :math:`\tilde s`,
@@ -285,7 +285,7 @@ def qhadam_maximizing_gradients(
 def qhadam_bound_optimal_nu2(nu1: float, beta1: float, beta2: float) -> tuple[float, float]:
     r"""The ``nu2`` in ``[0, 1]`` minimizing the limit bound, and that minimal bound.
 
-    Appendix G's discussion: lowering :math:`\nu_2` below 1 "decreases the
+    Appendix F's discussion: lowering :math:`\nu_2` below 1 "decreases the
     right-hand side of eqn qhadam-ub-limit, up to a point". Writing the squared
     bound as :math:`A / (1 - u) + C / u` with :math:`u = \nu_2 \beta_2`,
     :math:`A = (1 - \nu_1\beta_1)^2` and

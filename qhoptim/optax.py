@@ -325,9 +325,10 @@ def qhadam(
                  {\sqrt{(1 - \nu_2) |\nabla_t|^2 + \nu_2 \hat\nu_t} + \epsilon}
 
     with the bias-corrected moments of :func:`scale_by_qhadam`,
-    :math:`\alpha` = ``learning_rate``. ``nu1 = nu2 = 1`` is ``optax.adam``;
-    the paper suggests ``nu1 = 0.7`` with ``b1 = 0.995`` as a QHAdam starting
-    point, and ``nu2 < 1`` when Adam training is unstable. For L2 weight decay,
+    :math:`\alpha` = ``learning_rate``. ``nu1 = nu2 = 1`` is ``optax.adam``.
+    The paper's sweeps use ``nu1 = 0.7, b1 = 0.999`` as the QH default; when
+    replacing a stable Adam it suggests ``nu2 = 1`` with ``b2`` unchanged, and
+    ``nu2 < 1`` when Adam training is unstable. For L2 weight decay,
     chain ``optax.add_decayed_weights(wd)`` before; for decoupled decay use
     :func:`qhadamw`.
 

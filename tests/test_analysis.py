@@ -2,7 +2,7 @@
 
 The QHAdam quantities are computed by running :func:`qhoptim.rules.qhadam_update`
 step by step from a zero state with ``eps = 0`` and no bias correction (the
-setting of appendix G), so the analysis is tied to the rule the optimizers use.
+setting of appendix F), so the analysis is tied to the rule the optimizers use.
 The QHWMA is computed by :func:`qhoptim.rules.qhm_update`, whose direction from a
 zero buffer is exactly the QHWMA of the gradients.
 """

@@ -119,7 +119,7 @@ class _PerturbedAdapter(NumpyAdapter):
     [
         ("qhm-rule-of-thumb-quadratic", "nu", 1e-6),
         ("qhm-momentum-logistic", "momentum", 1e-6),
-        ("qhadam-paper-quadratic", "nus", 1e-6),
+        ("qhadam-slow-beta1-quadratic", "nus", 1e-6),
         ("qhadam-nu2-spiky", "betas", 1e-6),
     ],
 )

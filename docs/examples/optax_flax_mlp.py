@@ -1,3 +1,4 @@
+# requires: flax, optax, qhoptim.optax
 """Train a small Flax (linen) MLP with QHAdam from qhoptim.optax.
 
 Run it directly (``python docs/examples/optax_flax_mlp.py``); the test suite
@@ -33,8 +34,8 @@ def train(steps: int = 300) -> list[float]:
     x, y = make_data()
     model = MLP()
     params = model.init(jax.random.PRNGKey(1), x[:1])
-    # The paper's QHAdam starting point: nu1 = 0.7, beta1 = 0.995.
-    tx = optax.chain(optax.clip_by_global_norm(1.0), qho.qhadam(1e-2, b1=0.995, nu1=0.7))
+    # The paper's QH default (nu1 = 0.7, beta1 = 0.999), behind a clipping step.
+    tx = optax.chain(optax.clip_by_global_norm(1.0), qho.qhadam(1e-2, b1=0.999, nu1=0.7))
     opt_state = tx.init(params)
 
     def loss_fn(p: optax.Params) -> jax.Array:

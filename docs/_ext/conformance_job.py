@@ -1,0 +1,62 @@
+"""One backend's conformance rows, plus its trajectories of the case the site plots.
+
+    python docs/_ext/conformance_job.py BACKEND OUTDIR
+
+Runs ``conformance.runner.run([BACKEND])`` -- what ``python -m conformance
+--backends BACKEND --json`` runs -- and writes ``OUTDIR/conformance-BACKEND.json``
+(the same rows), then runs the plotted case (``figures.TRAJECTORY_CASE``) once
+more per dtype through the backend's adapter and saves the trajectories to
+``OUTDIR/trajectory-BACKEND.npz`` for ``figures.py trajectories``. One process
+per backend, so each framework is imported once. Exit status: 0 if every row
+passed, 1 if some failed, 3 if the backend is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from figures import TRAJECTORY_CASE  # noqa: E402
+
+from conformance.adapters import load_adapter  # noqa: E402
+from conformance.cases import load_cases  # noqa: E402
+from conformance.runner import run  # noqa: E402
+
+
+def main(backend: str, out: Path) -> int:
+    adapter = load_adapter(backend)
+    if not adapter.available():
+        print(
+            f"backend {backend!r} is not available: {getattr(adapter, 'reason', '')}",
+            file=sys.stderr,
+        )
+        return 3
+    rows = run([backend])
+    out.mkdir(parents=True, exist_ok=True)
+    payload = [asdict(r) | {"passed": r.passed} for r in rows]
+    (out / f"conformance-{backend}.json").write_text(json.dumps(payload, indent=1))
+
+    case = next(c for c in load_cases() if c.name == TRAJECTORY_CASE)
+    runs = {
+        dtype: np.asarray(adapter.run(case, dtype), dtype=np.float64)
+        for dtype in ("float64", "float32")
+        if adapter.supports(case, dtype)
+    }
+    label = getattr(adapter, "name", backend)
+    np.savez(out / f"trajectory-{backend}.npz", label=np.array(label), **runs)
+    failed = [f"{r.case} {r.dtype}" for r in rows if not r.passed]
+    if failed:
+        print("failed rows: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], Path(sys.argv[2])))
