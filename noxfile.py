@@ -7,6 +7,7 @@ Sessions:
   lint         ruff (lint + format check) and mypy --strict on the core
   torch        qhoptim.torch: its tests and its conformance rows
   optax        qhoptim.optax: its tests, doctests, example and conformance rows
+  keras        qhoptim.keras, once per Keras backend (tensorflow, jax, torch)
   sweep        the paper's parameter sweep, --quick smoke run (full: see docs/sweep.md)
   demo         one problem through every installed backend, agreement printed
 
@@ -25,9 +26,10 @@ import nox
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))
 ARTIFACTS = ROOT / "artifacts"
-BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras")
+BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras", "tests/docs")
+KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
-nox.options.sessions = ["lint", "tests", "conformance", "torch", "optax", "sweep", "docs"]
+nox.options.sessions = ["lint", "tests", "conformance", "torch", "optax", "keras", "sweep", "docs"]
 nox.options.error_on_missing_interpreters = True
 if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
     nox.options.envdir = envdir
@@ -40,19 +42,21 @@ def _install(session: nox.Session, extras: str) -> None:
     session.install("-e", f".[{extras}]", *CONSTRAINTS)
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     # pytest exits 5 when it collects nothing; nox treats any non-zero exit
     # as a failure, so an empty run can never pass silently.
-    session.run("python", "-m", "pytest", *args, *session.posargs)
+    session.run("python", "-m", "pytest", *args, *session.posargs, env=env)
 
 
-def _conformance(session: nox.Session, *backends: str, table: str) -> None:
+def _conformance(
+    session: nox.Session, *backends: str, table: str, env: dict[str, str] | None = None
+) -> None:
     # Prints the table and keeps it (Markdown and JSON) under artifacts/.
     ARTIFACTS.mkdir(exist_ok=True)
     out = ARTIFACTS / f"conformance-{table}"
     session.run(
         "python", "-m", "conformance", "--backends", *backends,
-        "--markdown", f"{out}.md", "--json", f"{out}.json",
+        "--markdown", f"{out}.md", "--json", f"{out}.json", env=env,
     )  # fmt: skip
 
 
@@ -108,6 +112,19 @@ def optax(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+@nox.parametrize("backend", KERAS_BACKENDS, ids=list(KERAS_BACKENDS))
+def keras(session: nox.Session, backend: str) -> None:
+    # One update_step, three Keras backends: the same tests run on each. The
+    # venv holds all three frameworks (tests/keras compares across them);
+    # tensorflow-cpu is TensorFlow without the GPU libraries.
+    _install(session, "test,torch")
+    session.install("tensorflow-cpu>=2.16", "keras>=3", "jax", *CONSTRAINTS)
+    env = {"KERAS_BACKEND": backend}
+    _pytest(session, "tests/keras", env=env)
+    _conformance(session, "keras", table=f"keras-{backend}", env=env)
+
+
+@nox.session(python=PYTHON)
 def sweep(session: nox.Session) -> None:
     _install(session, "jax")
     session.install("scikit-learn", "matplotlib", *CONSTRAINTS)
@@ -120,7 +137,8 @@ def sweep(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     extras = session.posargs[0] if session.posargs else "torch,jax"
     _install(session, f"test,{extras}")
-    session.run("python", "-m", "conformance.demo")
+    session.install("keras>=3", *CONSTRAINTS)  # Keras 3 runs on the JAX installed above
+    session.run("python", "-m", "conformance.demo", env={"KERAS_BACKEND": "jax"})
 
 
 @nox.session(python=PYTHON)

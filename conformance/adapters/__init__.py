@@ -34,6 +34,7 @@ REGISTRY: dict[str, str] = {
     "torch": "conformance.adapters.torch:TorchAdapter",
     "torch-foreach": "conformance.adapters.torch:TorchForeachAdapter",
     "optax": "conformance.adapters.optax:OptaxAdapter",
+    "keras": "conformance.adapters.keras:KerasAdapter",
 }
 
 

@@ -1,0 +1,649 @@
+r"""QHM, QHAdam and QHAdamW for Keras 3 (``keras.optimizers.Optimizer`` subclasses).
+
+The classes follow ``keras/src/optimizers/adam.py``: ``build`` creates the slot
+variables, ``update_step`` is written once with ``keras.ops`` and runs unchanged
+on the TensorFlow, JAX and torch backends, ``get_config`` adds the QH
+hyperparameters to the base configuration. The math of ``update_step`` is
+:func:`qhoptim.rules.qhm_update` / :func:`qhoptim.rules.qhadam_update` (wrapped
+in ``_qhm_step`` / ``_qhadam_step``, one variable's step, which TensorFlow runs
+XLA-compiled: see :data:`TF_JIT_COMPILE`); the hyperparameters are checked by
+:mod:`qhoptim.validation`, with Keras's argument names.
+
+Every base keyword of Keras optimizers is accepted and behaves as in Keras's own
+``SGD`` and ``Adam``. In particular ``weight_decay`` is Keras's *decoupled*
+weight decay (``variable -= variable * weight_decay * learning_rate``, AdamW
+style) on all three classes; it is folded into the update (one pass over the
+variable, ``rules.apply_update``) instead of being applied by the base class
+as a separate pass, and honours ``exclude_from_weight_decay``. Coupled (L2)
+decay is what Keras expresses with layer regularizers
+(``kernel_regularizer=keras.regularizers.L2(weight_decay / 2)`` adds
+``weight_decay * variable`` to the gradient).
+
+The classes are registered as Keras serializables (package ``"qhoptim"``), so
+``keras.models.load_model`` restores them, configuration and state, without
+``custom_objects`` once ``qhoptim.keras`` is imported.
+
+References:
+  Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
+  <https://arxiv.org/abs/1810.06801>`_, ICLR 2019.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import keras
+
+__all__ = ["QHM", "QHAdam", "QHAdamW"]
+
+
+def _check_keras_version(version: str, environ: Any = os.environ) -> None:
+    """Refuse Keras 2; warn when ``tf.keras`` has been switched to Keras 2 (tf_keras)."""
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:  # pragma: no cover - an unparsable version: let Keras fail later
+        return
+    if major < 3:
+        raise ImportError(
+            f"qhoptim.keras requires Keras 3 (found keras {version}). Install it with "
+            "`pip install -U 'keras>=3'` (TensorFlow >= 2.16 ships Keras 3 as tf.keras). "
+            "Keras 2 and tf_keras optimizers are not supported."
+        )
+    if environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes"):
+        warnings.warn(
+            "TF_USE_LEGACY_KERAS is set, so `tf.keras` is Keras 2 (tf_keras), which cannot use "
+            "qhoptim.keras optimizers: they are Keras 3 optimizers. Build the model with "
+            "`import keras` (Keras 3), or unset TF_USE_LEGACY_KERAS.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+_check_keras_version(keras.__version__)
+
+from keras import ops  # noqa: E402
+
+from qhoptim import convert, rules, validation  # noqa: E402
+
+try:  # the text Keras's own optimizers substitute for {{base_optimizer_keyword_args}}
+    from keras.src.optimizers.optimizer import base_optimizer_keyword_args as _BASE_ARGS
+except ImportError:  # pragma: no cover - keras moved its private module
+    _BASE_ARGS = "name, weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ..."
+
+_BACKEND = keras.backend.backend()
+if _BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    _SPARSE_TYPES: tuple[type, ...] = (tf.IndexedSlices,)
+else:
+    _SPARSE_TYPES = ()
+
+#: On the TensorFlow backend each variable's step -- reading the state, the
+#: rule, writing the state back -- runs as one XLA computation
+#: (``tf.function(jit_compile=True)``): one fused loop over memory, as on the
+#: JAX backend, and one op per variable in the training graph. Without it
+#: TensorFlow runs every ``+ - * /`` of the rule as a separate op and pass over
+#: memory, and QHAdam is up to ~1.6x slower than Keras's ``Adam`` on CPU
+#: (``benchmarks/keras_step.py``). Set to ``False`` before the first step (before
+#: ``fit``) to use plain TensorFlow ops, e.g. on a device without XLA; the
+#: numbers are the same.
+TF_JIT_COMPILE = True
+
+
+# --------------------------------------------------------------------- helpers
+def _dense(gradient: Any) -> Any:
+    """A ``tf.IndexedSlices`` gradient (embeddings, TF backend) as a dense tensor.
+
+    QHM and QHAdam decay their buffers at *every* row on every step, so a sparse
+    gradient is the dense gradient with zero rows, exactly as for Keras's own
+    ``SGD`` and ``Adam`` (which densify it too when they mix it with a buffer).
+    """
+    if isinstance(gradient, _SPARSE_TYPES):
+        return tf.convert_to_tensor(gradient)
+    return gradient
+
+
+def _read(x: Any) -> Any:
+    """The value of a variable (or a tensor as is), as a backend tensor.
+
+    On JAX, a ``keras.Variable``'s value honours the stateless scope of
+    ``stateless_apply``; on TensorFlow, ``tf.convert_to_tensor`` reads a
+    ``keras.Variable`` or the ``tf.Variable`` Keras passes to ``update_step``.
+    """
+    if _BACKEND == "tensorflow":
+        return tf.convert_to_tensor(x)
+    return x.value if isinstance(x, keras.Variable) else x
+
+
+def _handle(x: Any) -> Any:
+    """What crosses into the XLA-compiled step on TensorFlow: ``tf.Variable``s, not Keras's."""
+    return x.value if isinstance(x, keras.Variable) else x
+
+
+def _scalar_input(value: Any, dtype: Any) -> Any:
+    """A learning rate (or step count) as the step's input.
+
+    A Python number becomes a tensor of the variable's dtype directly
+    (``ops.cast(0.1, "float64")`` would round through float32 first); variables
+    and tensors pass through and are cast inside the step, as Keras's own
+    optimizers cast their float32 learning-rate variable.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ops.convert_to_tensor(float(value), dtype=dtype)
+    return value
+
+
+def _bias_correction_dtype() -> str:
+    """The dtype bias corrections are computed in before the cast to the variable's dtype.
+
+    float64 wherever the backend has it (TensorFlow, torch, JAX with
+    ``jax_enable_x64``), else float32. ``1 - 0.999**t`` evaluated in float32 is
+    off by ~1e-5 relative (0.999 itself rounds), in bfloat16 by a factor of 4.
+    """
+    if _BACKEND == "jax":
+        import jax
+
+        return "float64" if jax.config.jax_enable_x64 else "float32"
+    return "float64"
+
+
+def _new_value(param: Any, update: Any, lr: Any, weight_decay: Any) -> Any:
+    """``param * (1 - lr * weight_decay) - lr * update``; no decay if ``weight_decay`` is None."""
+    decay = 1 if weight_decay is None else rules.decoupled_decay_factor(lr, weight_decay)
+    return rules.apply_update(param, update, lr, decay)
+
+
+def _qhm_step(grad, lr, momentum_buffer, param, *, momentum, nu, weight_decay):
+    """One QHM step of one variable, from :mod:`qhoptim.rules`: ``(buffer, param)``."""
+    lr = ops.cast(lr, param.dtype)
+    momentum_buffer, direction = rules.qhm_update(grad, momentum_buffer, momentum=momentum, nu=nu)
+    return momentum_buffer, _new_value(param, direction, lr, weight_decay)
+
+
+def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype, **hparams):
+    """One QHAdam step of one variable, from :mod:`qhoptim.rules`.
+
+    ``iterations`` counts the steps already taken. Returns ``(exp_avg, exp_avg_sq, param)``.
+    """
+    dtype = param.dtype
+    lr = ops.cast(lr, dtype)
+    weight_decay = hparams.pop("weight_decay")
+    t = ops.cast(iterations, bias_dtype) + 1
+    exp_avg, exp_avg_sq, update = rules.qhadam_update(
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        bias_correction1=ops.cast(rules.bias_correction(hparams["beta1"], t), dtype),
+        bias_correction2=ops.cast(rules.bias_correction(hparams["beta2"], t), dtype),
+        sqrt=ops.sqrt,
+        **hparams,
+    )
+    return exp_avg, exp_avg_sq, _new_value(param, update, lr, weight_decay)
+
+
+_TF_XLA_STEPS: dict[Any, Any] = {}
+
+
+def _tf_xla_step(step: Any) -> Any:
+    """``step`` with its state reads and writes, as one XLA computation (TensorFlow)."""
+    if step not in _TF_XLA_STEPS:
+
+        def run(inputs: list[Any], state: list[Any], **hparams: Any) -> None:
+            values = step(*[_read(x) for x in inputs], *[_read(v) for v in state], **hparams)
+            for variable, value in zip(state, values, strict=True):
+                variable.assign(tf.cast(value, variable.dtype))
+
+        _TF_XLA_STEPS[step] = tf.function(run, jit_compile=True, reduce_retracing=True)
+    return _TF_XLA_STEPS[step]
+
+
+def _float(value: Any) -> Any:
+    """Concrete real numbers as Python floats (JSON-serializable config); others as given."""
+    x = validation.concrete_float(value)
+    return value if x is None else x
+
+
+def _learning_rate(value: Any) -> Any:
+    # Keras accepts only Python floats (plus schedules and callables); an int
+    # learning rate (``learning_rate=1``) is taken as the float it means.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _doc(cls: type) -> type:
+    if cls.__doc__ is not None:
+        cls.__doc__ = cls.__doc__.replace("{{base_optimizer_keyword_args}}", _BASE_ARGS)
+    return cls
+
+
+class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
+    """Shared plumbing: running one variable's step, decoupled weight decay."""
+
+    def _apply_weight_decay(self, variables: Any) -> None:
+        # Decoupled decay is part of each variable's step (``_new_value``, i.e.
+        # ``rules.apply_update``): same math as Keras's separate pass, one pass less.
+        return
+
+    def _weight_decay_for(self, variable: Any) -> Any:
+        """The decoupled weight decay of ``variable``: a float, or None for none."""
+        wd = self.weight_decay
+        if wd is None or validation.concrete_float(wd) == 0.0:
+            return None
+        return wd if self._use_weight_decay(variable) else None
+
+    def _run_step(self, step: Any, inputs: list[Any], state: list[Any], **hparams: Any) -> None:
+        """``state <- step(*inputs, *state, **hparams)`` for one model variable (``state[-1]``).
+
+        ``inputs[0]`` is the gradient; the other inputs are scalars (learning
+        rate, step count). ``hparams`` are Python values.
+        """
+        dtype = state[-1].dtype
+        gradient = _dense(ops.cast(inputs[0], dtype))
+        inputs = [gradient, *(_scalar_input(x, dtype) for x in inputs[1:])]
+        if _BACKEND == "tensorflow" and TF_JIT_COMPILE:
+            _tf_xla_step(step)([_handle(x) for x in inputs], [_handle(v) for v in state], **hparams)
+            return
+        if _BACKEND == "torch":
+            import torch
+
+            with torch.no_grad():
+                values = step(*map(_read, inputs), *map(_read, state), **hparams)
+        else:
+            values = step(*map(_read, inputs), *map(_read, state), **hparams)
+        for variable, value in zip(state, values, strict=True):
+            self.assign(variable, value)
+
+
+# ------------------------------------------------------------------------- QHM
+@keras.saving.register_keras_serializable(package="qhoptim")
+@_doc
+class QHM(_QHOptimizer):
+    r"""Optimizer that implements quasi-hyperbolic momentum (QHM).
+
+    QHM averages a plain SGD step and a momentum step, with a *normalized*
+    momentum buffer :math:`g` (an average of past gradients):
+
+    .. math::
+
+        g_{t+1} &= \beta g_t + (1 - \beta) \nabla_t \\
+        \theta_{t+1} &= \theta_t - \alpha \left[(1 - \nu) \nabla_t + \nu g_{t+1}\right]
+
+    with :math:`\alpha` = ``learning_rate``, :math:`\beta` = ``momentum`` and
+    :math:`\nu` = ``nu``. ``nu=0`` is SGD, ``nu=1`` is momentum and
+    ``nu=momentum`` is Nesterov's accelerated gradient; the paper's rule of
+    thumb is ``nu=0.7, momentum=0.999``.
+
+    Because the buffer is normalized, Keras's ``SGD(learning_rate=lr,
+    momentum=beta)`` (an unnormalized velocity, like torch's) corresponds to
+    ``QHM(learning_rate=lr / (1 - beta), momentum=beta, nu=1.0)``, and
+    ``nesterov=True`` to ``nu=beta``; ``QHM.from_params(
+    qhoptim.convert.from_nesterov(lr, beta))`` does the conversion. For that
+    reason ``learning_rate`` has no default.
+
+    Args:
+        learning_rate: A float, a
+            `keras.optimizers.schedules.LearningRateSchedule` instance, or
+            a callable that takes no arguments and returns the actual value to
+            use. The learning rate :math:`\alpha`. Required.
+        momentum: Float in ``[0, 1)``. :math:`\beta`, the discount factor of
+            the normalized momentum buffer. Defaults to `0.999`.
+        nu: Float. :math:`\nu`, the immediate discount factor (any finite
+            real; conversions from other algorithms may give values outside
+            ``[0, 1]``). Defaults to `0.7`.
+        {{base_optimizer_keyword_args}}
+
+    Note: ``weight_decay`` is Keras's decoupled weight decay
+    (:math:`\theta \leftarrow \theta (1 - \alpha\lambda)` before the step), as
+    for every Keras optimizer; ``qhoptim.torch.QHM`` defaults to coupled (L2)
+    decay instead, which Keras expresses with
+    ``kernel_regularizer=keras.regularizers.L2(weight_decay / 2)``.
+
+    Reference:
+        - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 3.
+    """
+
+    def __init__(
+        self,
+        learning_rate,
+        momentum=0.999,
+        nu=0.7,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        **kwargs,
+    ):
+        learning_rate = _learning_rate(learning_rate)
+        validation.check_qhm(
+            lr=learning_rate,
+            momentum=momentum,
+            nu=nu,
+            weight_decay=weight_decay,
+            names={"lr": "learning_rate"},
+        )
+        super().__init__(
+            learning_rate=learning_rate,
+            name=name,
+            weight_decay=_float(weight_decay),
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
+        )
+        self.momentum = _float(momentum)
+        self.nu = _float(nu)
+
+    @classmethod
+    def from_params(cls, params, **kwargs):
+        """Build from :class:`qhoptim.convert.QHMParams`, e.g. a conversion's result.
+
+        ``QHM.from_params(qhoptim.convert.from_nesterov(lr=0.01, momentum=0.9))``
+        is Keras's ``SGD(0.01, momentum=0.9, nesterov=True)``. Keyword
+        arguments (``weight_decay``, ``clipnorm``, ...) are passed to the
+        constructor.
+        """
+        if not isinstance(params, convert.QHMParams):
+            raise TypeError(
+                f"{cls.__name__}.from_params expects qhoptim.convert.QHMParams; "
+                f"received {type(params).__name__}"
+            )
+        return cls(learning_rate=params.lr, momentum=params.momentum, nu=params.nu, **kwargs)
+
+    def build(self, var_list):
+        """Initialize optimizer variables: one normalized momentum buffer per variable.
+
+        Args:
+            var_list: list of model variables to build QHM variables on.
+        """
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums = self.add_optimizer_variables(var_list, "momentum")
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Update step given gradient and the associated model variable."""
+        m = self._momentums[self._get_variable_index(variable)]
+        self._run_step(
+            _qhm_step,
+            [gradient, learning_rate],
+            [m, variable],
+            momentum=self.momentum,
+            nu=self.nu,
+            weight_decay=self._weight_decay_for(variable),
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"momentum": self.momentum, "nu": self.nu})
+        return config
+
+
+# ---------------------------------------------------------------------- QHAdam
+_QHADAM_NAMES = {
+    "lr": "learning_rate",
+    "beta1": "beta_1",
+    "beta2": "beta_2",
+    "nu1": "nu_1",
+    "nu2": "nu_2",
+    "eps": "epsilon",
+}
+
+
+@keras.saving.register_keras_serializable(package="qhoptim")
+@_doc
+class QHAdam(_QHOptimizer):
+    r"""Optimizer that implements QHAdam (quasi-hyperbolic Adam).
+
+    QHAdam replaces both of Adam's moment estimates by quasi-hyperbolic
+    averages of the estimate and the current gradient:
+
+    .. math::
+
+        g_{t+1} &= \beta_1 g_t + (1 - \beta_1) \nabla_t, \quad
+        g'_{t+1} = g_{t+1} / (1 - \beta_1^{t+1}) \\
+        s_{t+1} &= \beta_2 s_t + (1 - \beta_2) \nabla_t^2, \quad
+        s'_{t+1} = s_{t+1} / (1 - \beta_2^{t+1}) \\
+        \theta_{t+1} &= \theta_t - \alpha \,
+          \frac{(1 - \nu_1) \nabla_t + \nu_1 g'_{t+1}}
+               {\sqrt{(1 - \nu_2) \nabla_t^2 + \nu_2 s'_{t+1}} + \epsilon}
+
+    with :math:`\alpha` = ``learning_rate``, :math:`\beta_{1,2}` =
+    ``beta_1, beta_2``, :math:`\nu_{1,2}` = ``nu_1, nu_2`` and :math:`\epsilon`
+    = ``epsilon``. ``nu_1 = nu_2 = 1`` is Adam (the paper's suggestion is
+    ``nu_1=0.7, nu_2=1.0, beta_1=0.995, beta_2=0.999``).
+
+    Note on ``epsilon``: as in the paper and in Kingma & Ba's Algorithm 1,
+    :math:`\epsilon` is added *after* bias correction. Keras's ``Adam`` adds
+    its ``epsilon`` ("epsilon hat") to the *uncorrected* :math:`\sqrt{s}`,
+    which equals this rule with :math:`\epsilon_t = \hat\epsilon /
+    \sqrt{1 - \beta_2^t}`; the two agree as :math:`\epsilon \to 0`.
+
+    Args:
+        learning_rate: A float, a
+            `keras.optimizers.schedules.LearningRateSchedule` instance, or
+            a callable that takes no arguments and returns the actual value to
+            use. The learning rate. Defaults to `0.001`.
+        beta_1: Float in ``[0, 1)``. The exponential decay rate of the first
+            moment estimate. Defaults to `0.9`.
+        beta_2: Float in ``[0, 1)``. The exponential decay rate of the second
+            moment estimate. Defaults to `0.999`.
+        nu_1: Float. Immediate discount factor of the first moment (any finite
+            real). Defaults to `1.0`.
+        nu_2: Float in ``[0, 1]``. Immediate discount factor of the second
+            moment; values below 1 bound the step on spiky gradients more
+            tightly. Defaults to `1.0`.
+        epsilon: Float ``>= 0`` added to the denominator after the square root
+            and bias correction. Defaults to `1e-8`.
+        {{base_optimizer_keyword_args}}
+
+    Reference:
+        - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 5.
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        nu_1=1.0,
+        nu_2=1.0,
+        epsilon=1e-8,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        **kwargs,
+    ):
+        learning_rate = _learning_rate(learning_rate)
+        validation.check_qhadam(
+            lr=learning_rate,
+            beta1=beta_1,
+            beta2=beta_2,
+            nu1=nu_1,
+            nu2=nu_2,
+            eps=epsilon,
+            weight_decay=weight_decay,
+            names=_QHADAM_NAMES,
+        )
+        super().__init__(
+            learning_rate=learning_rate,
+            name=name,
+            weight_decay=_float(weight_decay),
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
+        )
+        self.beta_1 = _float(beta_1)
+        self.beta_2 = _float(beta_2)
+        self.nu_1 = _float(nu_1)
+        self.nu_2 = _float(nu_2)
+        self.epsilon = _float(epsilon)
+
+    @classmethod
+    def from_params(cls, params, **kwargs):
+        """Build from :class:`qhoptim.convert.QHAdamParams`, e.g. a conversion's result.
+
+        ``QHAdam.from_params(qhoptim.convert.from_nadam(1e-3, (0.9, 0.999), 1e-8))``
+        is NAdam modulo bias correction. Keyword arguments (``weight_decay``,
+        ``clipnorm``, ...) are passed to the constructor.
+        """
+        if not isinstance(params, convert.QHAdamParams):
+            raise TypeError(
+                f"{cls.__name__}.from_params expects qhoptim.convert.QHAdamParams; "
+                f"received {type(params).__name__}"
+            )
+        (beta_1, beta_2), (nu_1, nu_2) = params.betas, params.nus
+        return cls(
+            learning_rate=params.lr,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            nu_1=nu_1,
+            nu_2=nu_2,
+            epsilon=params.eps,
+            **kwargs,
+        )
+
+    def build(self, var_list):
+        """Initialize optimizer variables: the two moment estimates per variable.
+
+        Args:
+            var_list: list of model variables to build QHAdam variables on.
+        """
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums, self._velocities = self.add_optimizer_variables(
+            var_list, ["momentum", "velocity"]
+        )
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Update step given gradient and the associated model variable."""
+        m = self._momentums[self._get_variable_index(variable)]
+        v = self._velocities[self._get_variable_index(variable)]
+        self._run_step(
+            _qhadam_step,
+            [gradient, learning_rate, self.iterations],
+            [m, v, variable],
+            beta1=self.beta_1,
+            beta2=self.beta_2,
+            nu1=self.nu_1,
+            nu2=self.nu_2,
+            eps=self.epsilon,
+            weight_decay=self._weight_decay_for(variable),
+            bias_dtype=_bias_correction_dtype(),
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "beta_1": self.beta_1,
+                "beta_2": self.beta_2,
+                "nu_1": self.nu_1,
+                "nu_2": self.nu_2,
+                "epsilon": self.epsilon,
+            }
+        )
+        return config
+
+
+# --------------------------------------------------------------------- QHAdamW
+@keras.saving.register_keras_serializable(package="qhoptim")
+@_doc
+class QHAdamW(QHAdam):
+    r"""QHAdam with decoupled weight decay, as Keras's ``AdamW`` is Adam with it.
+
+    Before each step the variable is multiplied by :math:`1 - \alpha\lambda`
+    (:math:`\lambda` = ``weight_decay``), in the same pass as the QHAdam
+    update. ``QHAdamW(weight_decay=wd, ...)`` is ``QHAdam(weight_decay=wd, ...)``
+    with a non-zero default, ``0.01`` -- qhoptim's (and torch's ``AdamW``)
+    default; Keras's ``AdamW`` defaults to ``0.004``.
+
+    Args:
+        learning_rate: A float, a
+            `keras.optimizers.schedules.LearningRateSchedule` instance, or
+            a callable that takes no arguments and returns the actual value to
+            use. The learning rate. Defaults to `0.001`.
+        weight_decay: Float ``>= 0``. The decoupled weight decay
+            :math:`\lambda`. Defaults to `0.01`.
+        beta_1: Float in ``[0, 1)``. Defaults to `0.9`.
+        beta_2: Float in ``[0, 1)``. Defaults to `0.999`.
+        nu_1: Float. Immediate discount factor of the first moment. Defaults to `1.0`.
+        nu_2: Float in ``[0, 1]``. Immediate discount factor of the second
+            moment. Defaults to `1.0`.
+        epsilon: Float ``>= 0`` added to the denominator after the square root
+            and bias correction. Defaults to `1e-8`.
+        {{base_optimizer_keyword_args}}
+
+    References:
+        - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 5.
+        - [Loshchilov & Hutter, 2019](https://arxiv.org/abs/1711.05101).
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        weight_decay=0.01,
+        beta_1=0.9,
+        beta_2=0.999,
+        nu_1=1.0,
+        nu_2=1.0,
+        epsilon=1e-8,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        **kwargs,
+    ):
+        super().__init__(
+            learning_rate=learning_rate,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            nu_1=nu_1,
+            nu_2=nu_2,
+            epsilon=epsilon,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            name=name,
+            **kwargs,
+        )
+        if self.weight_decay is None:
+            raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")

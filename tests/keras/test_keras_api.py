@@ -1,0 +1,257 @@
+"""qhoptim.keras: Keras optimizer API, configuration, serialization, errors, Keras 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from qh_keras_testing import EXACT_RTOL, X0, apply_steps, quadratic_grad, reference_steps
+
+import qhoptim.keras as qk
+from qhoptim import convert, reference
+
+CLASSES = (qk.QHM, qk.QHAdam, qk.QHAdamW)
+OWN_KEYS = {
+    qk.QHM: {"momentum": 0.9, "nu": 0.8},
+    qk.QHAdam: {"beta_1": 0.95, "beta_2": 0.98, "nu_1": 0.7, "nu_2": 0.9, "epsilon": 1e-6},
+    qk.QHAdamW: {"beta_1": 0.95, "beta_2": 0.98, "nu_1": 0.7, "nu_2": 0.9, "epsilon": 1e-6},
+}
+BASE_KWARGS = {
+    "weight_decay": 0.02,
+    "clipnorm": 1.5,
+    "use_ema": True,
+    "ema_momentum": 0.9,
+    "ema_overwrite_frequency": 5,
+    "loss_scale_factor": 128.0,
+    "gradient_accumulation_steps": 2,
+    "name": "my_optimizer",
+}
+
+
+# ------------------------------------------------------------------- the classes
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_is_a_registered_keras_optimizer(cls: type) -> None:
+    assert issubclass(cls, keras.optimizers.Optimizer)
+    name = f"qhoptim>{cls.__name__}"
+    assert keras.saving.get_registered_name(cls) == name
+    assert keras.saving.get_registered_object(name) is cls
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_docstring_documents_every_argument(cls: type) -> None:
+    doc = cls.__doc__
+    assert "{{" not in doc
+    for arg in ["learning_rate", *OWN_KEYS[cls], *BASE_KWARGS, "clipvalue", "global_clipnorm"]:
+        assert f"{arg}:" in doc, arg
+
+
+def test_defaults() -> None:
+    with pytest.raises(TypeError):
+        qk.QHM()  # the normalized buffer changes the lr scale: no default
+    c = qk.QHM(0.5).get_config()
+    assert (c["learning_rate"], c["momentum"], c["nu"]) == (0.5, 0.999, 0.7)
+    assert c["weight_decay"] is None
+    c = qk.QHAdam().get_config()
+    expected = (0.001, 0.9, 0.999, 1.0, 1.0, 1e-8, None)
+    keys = ("learning_rate", "beta_1", "beta_2", "nu_1", "nu_2", "epsilon", "weight_decay")
+    assert tuple(c[k] for k in keys) == pytest.approx(expected)
+    assert qk.QHAdamW().get_config()["weight_decay"] == 0.01
+
+
+# ------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_get_config_from_config_round_trip(cls: type) -> None:
+    opt = cls(learning_rate=0.05, **OWN_KEYS[cls], **BASE_KWARGS)
+    config = opt.get_config()
+    json.dumps(config)  # JSON-serializable, as .keras files need
+    for key, value in {**OWN_KEYS[cls], **BASE_KWARGS}.items():
+        assert config[key] == pytest.approx(value), key
+    assert config["learning_rate"] == pytest.approx(0.05)
+    clone = cls.from_config(config)
+    assert type(clone) is cls
+    assert clone.get_config() == config
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_serialize_deserialize_without_custom_objects(cls: type) -> None:
+    opt = cls(learning_rate=0.05, **OWN_KEYS[cls])
+    blob = json.loads(json.dumps(keras.optimizers.serialize(opt)))
+    clone = keras.optimizers.deserialize(blob)
+    assert type(clone) is cls
+    assert clone.get_config() == opt.get_config()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_learning_rate_schedule_round_trip(cls: type) -> None:
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    opt = cls(learning_rate=schedule)
+    blob = json.loads(json.dumps(keras.optimizers.serialize(opt)))
+    clone = keras.optimizers.deserialize(blob)
+    restored = clone._learning_rate
+    assert isinstance(restored, keras.optimizers.schedules.ExponentialDecay)
+    assert restored.get_config() == schedule.get_config()
+
+
+def test_int_and_numpy_hyperparameters_become_floats() -> None:
+    opt = qk.QHM(1, momentum=np.float32(0.5), nu=np.float64(0.25))
+    config = opt.get_config()
+    json.dumps(config)
+    assert config["learning_rate"] == 1.0
+    assert (config["momentum"], config["nu"]) == (0.5, 0.25)
+    assert all(type(config[k]) is float for k in ("momentum", "nu"))
+
+
+# ------------------------------------------------------------------- conversions
+
+
+def test_from_params_qhm_is_one_line() -> None:
+    opt = qk.QHM.from_params(convert.from_nesterov(lr=0.1, momentum=0.9), weight_decay=0.01)
+    c = opt.get_config()
+    assert c["learning_rate"] == pytest.approx(1.0)
+    assert (c["momentum"], c["nu"], c["weight_decay"]) == (0.9, 0.9, 0.01)
+
+
+@pytest.mark.parametrize("cls", [qk.QHAdam, qk.QHAdamW])
+def test_from_params_qhadam(cls: type) -> None:
+    opt = cls.from_params(convert.from_nadam(2e-3, (0.9, 0.99), 1e-7), clipnorm=1.0)
+    c = opt.get_config()
+    assert c["learning_rate"] == pytest.approx(2e-3)
+    assert (c["beta_1"], c["beta_2"], c["nu_1"], c["nu_2"]) == (0.9, 0.99, 0.9, 1.0)
+    assert (c["epsilon"], c["clipnorm"]) == (1e-7, 1.0)
+
+
+def test_from_params_rejects_the_other_family() -> None:
+    with pytest.raises(TypeError, match=r"QHM\.from_params expects qhoptim\.convert\.QHMParams"):
+        qk.QHM.from_params(convert.from_adam(1e-3, (0.9, 0.999), 1e-8))
+    with pytest.raises(TypeError, match=r"QHAdam\.from_params expects"):
+        qk.QHAdam.from_params(convert.from_sgd(0.1))
+
+
+# ------------------------------------------------------------------------ errors
+
+BAD = [
+    (
+        qk.QHM,
+        {"learning_rate": -0.1},
+        "learning_rate must be in [0, inf); received learning_rate=-0.1",
+    ),
+    (
+        qk.QHM,
+        {"learning_rate": 0.1, "momentum": 1.0},
+        "momentum must be in [0, 1); received momentum=1.0",
+    ),
+    (
+        qk.QHM,
+        {"learning_rate": 0.1, "momentum": -0.5},
+        "momentum must be in [0, 1); received momentum=-0.5",
+    ),
+    (
+        qk.QHM,
+        {"learning_rate": 0.1, "nu": math.nan},
+        "nu must be a finite real number; received nu=nan",
+    ),
+    (
+        qk.QHM,
+        {"learning_rate": 0.1, "weight_decay": -1.0},
+        "weight_decay must be in [0, inf); received weight_decay=-1.0",
+    ),
+    (qk.QHAdam, {"beta_1": 1.2}, "beta_1 must be in [0, 1); received beta_1=1.2"),
+    (qk.QHAdam, {"beta_2": 1.0}, "beta_2 must be in [0, 1); received beta_2=1.0"),
+    (qk.QHAdam, {"nu_1": math.inf}, "nu_1 must be a finite real number; received nu_1=inf"),
+    (qk.QHAdam, {"nu_2": 1.5}, "nu_2 must be in [0, 1]; received nu_2=1.5"),
+    (qk.QHAdam, {"epsilon": -1e-8}, "epsilon must be in [0, inf); received epsilon=-1e-08"),
+    (
+        qk.QHAdam,
+        {"learning_rate": math.nan},
+        "learning_rate must be in [0, inf); received learning_rate=nan",
+    ),
+    (
+        qk.QHAdamW,
+        {"weight_decay": -0.01},
+        "weight_decay must be in [0, inf); received weight_decay=-0.01",
+    ),
+    (qk.QHAdamW, {"beta_1": -0.1}, "beta_1 must be in [0, 1); received beta_1=-0.1"),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "message"), BAD)
+def test_bad_hyperparameters_raise_the_core_errors(cls: type, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        cls(**kwargs)
+    assert str(info.value) == message
+
+
+def test_messages_are_the_validation_modules() -> None:
+    from qhoptim import validation
+
+    with pytest.raises(ValueError) as core:
+        validation.check_beta(1.2, "beta_1")
+    with pytest.raises(ValueError) as ours:
+        qk.QHAdam(beta_1=1.2)
+    assert str(core.value) == str(ours.value)
+
+
+def test_qhadamw_needs_a_weight_decay() -> None:
+    with pytest.raises(ValueError, match="weight_decay"):
+        qk.QHAdamW(weight_decay=None)
+
+
+def test_bool_hyperparameter_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="bool"):
+        qk.QHM(0.1, momentum=True)
+
+
+def test_schedules_and_callables_pass_validation() -> None:
+    schedule = keras.optimizers.schedules.CosineDecay(0.1, decay_steps=100)
+    assert qk.QHM(schedule)._learning_rate is schedule
+    assert callable(qk.QHAdam(lambda: 0.01)._learning_rate)
+
+
+def test_base_class_errors_are_keras_own() -> None:
+    with pytest.raises(ValueError, match="Only one of `clipnorm`, `clipvalue`"):
+        qk.QHAdam(clipnorm=1.0, clipvalue=1.0)
+    with pytest.raises(ValueError, match="not recognized"):
+        qk.QHM(0.1, betas=(0.9, 0.99))
+
+
+# ------------------------------------------------------------------------ Keras 2
+
+
+def test_keras_2_is_refused_on_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Execute the module's source as a fresh module, with keras looking like 2.x.
+    monkeypatch.setattr(keras, "__version__", "2.15.0")
+    spec = importlib.util.spec_from_file_location("_qhoptim_keras_probe", qk.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with pytest.raises(ImportError, match=r"requires Keras 3 \(found keras 2\.15\.0\)"):
+        spec.loader.exec_module(module)
+
+
+def test_legacy_tf_keras_switch_warns() -> None:
+    with pytest.warns(UserWarning, match="TF_USE_LEGACY_KERAS is set"):
+        qk._check_keras_version("3.15.1", {"TF_USE_LEGACY_KERAS": "1"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qk._check_keras_version("3.15.1", {"TF_USE_LEGACY_KERAS": "0"})
+        qk._check_keras_version("3.15.1", {})
+
+
+# ------------------------------------------------------- math through the Keras API
+
+
+def test_callable_learning_rate_is_called_every_step() -> None:
+    lrs = [0.1, 0.05, 0.2, 0.01, 0.3]
+    opt = qk.QHM(lambda: lrs[int(keras.ops.convert_to_numpy(opt.iterations))], 0.9, 0.7)
+    got = apply_steps(opt, X0, quadratic_grad, len(lrs))
+    ref_opt = reference.QHM(0.1, 0.9, 0.7)
+    ref = reference_steps(ref_opt, X0, quadratic_grad, len(lrs), lrs.__getitem__)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=EXACT_RTOL)
