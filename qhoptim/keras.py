@@ -183,20 +183,20 @@ def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype
     return exp_avg, exp_avg_sq, _new_value(param, update, lr, weight_decay)
 
 
-_TF_XLA_STEPS: dict[Any, Any] = {}
-
-
 def _tf_xla_step(step: Any) -> Any:
-    """``step`` with its state reads and writes, as one XLA computation (TensorFlow)."""
-    if step not in _TF_XLA_STEPS:
+    """``step`` with its state reads and writes, as one XLA computation (TensorFlow).
 
-        def run(inputs: list[Any], state: list[Any], **hparams: Any) -> None:
-            values = step(*[_read(x) for x in inputs], *[_read(v) for v in state], **hparams)
-            for variable, value in zip(state, values, strict=True):
-                variable.assign(tf.cast(value, variable.dtype))
+    Each optimizer keeps its own functions (``_QHOptimizer._xla_steps``): a
+    traced function may hold on to the variables it first saw, so sharing one
+    across optimizers (or models) would call it with deleted variables.
+    """
 
-        _TF_XLA_STEPS[step] = tf.function(run, jit_compile=True, reduce_retracing=True)
-    return _TF_XLA_STEPS[step]
+    def run(inputs: list[Any], state: list[Any], **hparams: Any) -> None:
+        values = step(*[_read(x) for x in inputs], *[_read(v) for v in state], **hparams)
+        for variable, value in zip(state, values, strict=True):
+            variable.assign(tf.cast(value, variable.dtype))
+
+    return tf.function(run, jit_compile=True, reduce_retracing=True)
 
 
 def _float(value: Any) -> Any:
@@ -244,7 +244,10 @@ class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
         gradient = _dense(ops.cast(inputs[0], dtype))
         inputs = [gradient, *(_scalar_input(x, dtype) for x in inputs[1:])]
         if _BACKEND == "tensorflow" and TF_JIT_COMPILE:
-            _tf_xla_step(step)([_handle(x) for x in inputs], [_handle(v) for v in state], **hparams)
+            steps = self.__dict__.setdefault("_xla_steps", {})
+            if step not in steps:
+                steps[step] = _tf_xla_step(step)
+            steps[step]([_handle(x) for x in inputs], [_handle(v) for v in state], **hparams)
             return
         if _BACKEND == "torch":
             import torch
