@@ -54,6 +54,7 @@ from qhoptim import rules, validation
 __all__ = ["QHM", "QHAdam", "QHAdamW", "qhadam", "qhm"]
 
 _WEIGHT_DECAY_TYPES = ("grad", "direct")
+_TORCH_FLAGS = {"maximize": False, "foreach": None, "capturable": False, "differentiable": False}
 
 
 # --------------------------------------------------------------------- helpers
@@ -176,8 +177,61 @@ def _sparse_error(optimizer: str) -> RuntimeError:
     return RuntimeError(f"{optimizer} does not support sparse gradients")
 
 
+class _QHOptimizer(Optimizer):
+    """Plumbing shared by QHM and QHAdam: flags of older state dicts, gathering
+    the parameters that have a gradient, and ``step`` over the param groups."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            # Older state dicts (qhoptim 1.1.0's included) lack torch's flags.
+            for flag, default in _TORCH_FLAGS.items():
+                group.setdefault(flag, default)
+            self._upgrade_group(group)
+
+    def _upgrade_group(self, group: dict[str, Any]) -> None:
+        """Fill in what an older state dict lacks in ``group`` and its state."""
+        raise NotImplementedError
+
+    def _gather(
+        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Append the params with a gradient (and their grads); return their states."""
+        states = []
+        has_complex = False
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise _sparse_error(type(self).__name__)
+            has_complex |= torch.is_complex(p)
+            params.append(p)
+            grads.append(p.grad)
+            states.append(self.state[p])
+        return states, has_complex
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @_use_grad_for_differentiable
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform a single optimization step.
+
+        Args:
+            closure (Callable, optional): A closure that reevaluates the model
+                and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+
 # ------------------------------------------------------------------------- QHM
-class QHM(Optimizer):
+class QHM(_QHOptimizer):
     def __init__(
         self,
         params: ParamsT,
@@ -220,17 +274,11 @@ class QHM(Optimizer):
             )
         super().add_param_group(param_group)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:
-            # qhoptim 1.1.0 groups lack the torch flags; its state is the same.
-            group.setdefault("weight_decay_type", "grad")
-            group.setdefault("maximize", False)
-            group.setdefault("foreach", None)
-            group.setdefault("capturable", False)
-            group.setdefault("differentiable", False)
-            for p in group["params"]:
-                _cast_complex_state(p, self.state.get(p, {}))
+    def _upgrade_group(self, group: dict[str, Any]) -> None:
+        # qhoptim 1.1.0 groups lack the torch flags; its state is the same.
+        group.setdefault("weight_decay_type", "grad")
+        for p in group["params"]:
+            _cast_complex_state(p, self.state.get(p, {}))
 
     def _init_group(
         self,
@@ -239,55 +287,33 @@ class QHM(Optimizer):
         grads: list[Tensor],
         momentum_buffers: list[Tensor],
     ) -> bool:
-        has_complex = False
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise _sparse_error(type(self).__name__)
-            has_complex |= torch.is_complex(p)
-            params.append(p)
-            grads.append(p.grad)
-            state = self.state[p]
+        states, has_complex = self._gather(group, params, grads)
+        for p, state in zip(params, states, strict=True):
             if len(state) == 0:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             momentum_buffers.append(state["momentum_buffer"])
         return has_complex
 
-    @_use_grad_for_differentiable
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform a single optimization step.
-
-        Args:
-            closure (Callable, optional): A closure that reevaluates the model
-                and returns the loss.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            momentum_buffers: list[Tensor] = []
-            has_complex = self._init_group(group, params, grads, momentum_buffers)
-            qhm(
-                params,
-                grads,
-                momentum_buffers,
-                foreach=group["foreach"],
-                capturable=group["capturable"],
-                differentiable=group["differentiable"],
-                has_complex=has_complex,
-                lr=group["lr"],
-                momentum=group["momentum"],
-                nu=group["nu"],
-                weight_decay=group["weight_decay"],
-                decoupled_weight_decay=group["weight_decay_type"] == "direct",
-                maximize=group["maximize"],
-            )
-        return loss
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        momentum_buffers: list[Tensor] = []
+        has_complex = self._init_group(group, params, grads, momentum_buffers)
+        qhm(
+            params,
+            grads,
+            momentum_buffers,
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            has_complex=has_complex,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            nu=group["nu"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["weight_decay_type"] == "direct",
+            maximize=group["maximize"],
+        )
 
     # -- conversions (qhoptim.convert); each returns constructor kwargs -------
     @classmethod
@@ -585,7 +611,7 @@ def qhm(
 
 
 # ---------------------------------------------------------------------- QHAdam
-class QHAdam(Optimizer):
+class QHAdam(_QHOptimizer):
     def __init__(
         self,
         params: ParamsT,
@@ -631,28 +657,22 @@ class QHAdam(Optimizer):
         )
         super().add_param_group(param_group)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("decouple_weight_decay", False)
-            group.setdefault("maximize", False)
-            group.setdefault("foreach", None)
-            capturable = group.setdefault("capturable", False)
-            group.setdefault("differentiable", False)
-            for p in group["params"]:
-                p_state = self.state.get(p, {})
-                if len(p_state) == 0:
-                    continue
-                _cast_complex_state(p, p_state)
-                if "beta1_weight" in p_state:
-                    _from_qhoptim_1_1(p_state, group["betas"])
-                if not torch.is_tensor(p_state["step"]):
-                    step = float(p_state["step"])
-                    p_state["step"] = (
-                        torch.tensor(step, dtype=_get_scalar_dtype(), device=p.device)
-                        if capturable
-                        else torch.tensor(step, dtype=_get_scalar_dtype())
-                    )
+    def _upgrade_group(self, group: dict[str, Any]) -> None:
+        group.setdefault("decouple_weight_decay", False)
+        for p in group["params"]:
+            p_state = self.state.get(p, {})
+            if len(p_state) == 0:
+                continue
+            _cast_complex_state(p, p_state)
+            if "beta1_weight" in p_state:
+                _from_qhoptim_1_1(p_state, group["betas"])
+            if not torch.is_tensor(p_state["step"]):
+                step = float(p_state["step"])
+                p_state["step"] = (
+                    torch.tensor(step, dtype=_get_scalar_dtype(), device=p.device)
+                    if group["capturable"]
+                    else torch.tensor(step, dtype=_get_scalar_dtype())
+                )
 
     def _init_group(
         self,
@@ -663,16 +683,8 @@ class QHAdam(Optimizer):
         exp_avg_sqs: list[Tensor],
         state_steps: list[Tensor],
     ) -> bool:
-        has_complex = False
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise _sparse_error(type(self).__name__)
-            has_complex |= torch.is_complex(p)
-            params.append(p)
-            grads.append(p.grad)
-            state = self.state[p]
+        states, has_complex = self._gather(group, params, grads)
+        for p, state in zip(params, states, strict=True):
             if len(state) == 0:
                 # As torch's Adam: the step count lives on the CPU unless capturable.
                 state["step"] = (
@@ -694,49 +706,35 @@ class QHAdam(Optimizer):
             state_steps.append(state["step"])
         return has_complex
 
-    @_use_grad_for_differentiable
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform a single optimization step.
-
-        Args:
-            closure (Callable, optional): A closure that reevaluates the model
-                and returns the loss.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            exp_avgs: list[Tensor] = []
-            exp_avg_sqs: list[Tensor] = []
-            state_steps: list[Tensor] = []
-            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, state_steps)
-            beta1, beta2 = group["betas"]
-            nu1, nu2 = group["nus"]
-            qhadam(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                state_steps,
-                foreach=group["foreach"],
-                capturable=group["capturable"],
-                differentiable=group["differentiable"],
-                has_complex=has_complex,
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                nu1=nu1,
-                nu2=nu2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                decoupled_weight_decay=group["decouple_weight_decay"],
-                maximize=group["maximize"],
-            )
-        return loss
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        exp_avgs: list[Tensor] = []
+        exp_avg_sqs: list[Tensor] = []
+        state_steps: list[Tensor] = []
+        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, state_steps)
+        beta1, beta2 = group["betas"]
+        nu1, nu2 = group["nus"]
+        qhadam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            state_steps,
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            has_complex=has_complex,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            nu1=nu1,
+            nu2=nu2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["decouple_weight_decay"],
+            maximize=group["maximize"],
+        )
 
     # -- conversions (qhoptim.convert); each returns constructor kwargs -------
     # ``eps`` is returned only when given, so that ``QHAdam(params, eps=...,
