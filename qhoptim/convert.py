@@ -144,12 +144,6 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= _RTOL * max(1.0, abs(a), abs(b))
 
 
-def _pair(value: Sequence[float], name: str) -> tuple[float, float]:
-    if isinstance(value, (str, bytes)) or len(value) != 2:
-        raise ValueError(f"{name} must be a pair of two numbers; received {name}={value!r}")
-    return value[0], value[1]
-
-
 def _qhm(lr: float, nu: float, momentum: float) -> QHMParams:
     # Safety net: every returned triple is valid for QHM.
     validation.check_qhm(lr=lr, momentum=momentum, nu=nu)
@@ -569,7 +563,7 @@ def two_state_initial_buffer(
 
 # ------------------------------------------------------------------ Adam family
 def _adam_args(lr: float, betas: Sequence[float], eps: float) -> tuple[float, float, float, float]:
-    b1, b2 = _pair(betas, "betas")
+    b1, b2 = validation.check_pair(betas, "betas")
     return (
         validation.check_lr(_real(lr, "lr"), "lr"),
         validation.check_beta(_real(b1, "betas[0]"), "betas[0]"),

@@ -67,12 +67,6 @@ def _lr_value(lr: Any) -> Any:
     return lr  # a number, or ``required`` (which the base class reports)
 
 
-def _pair(value: Any, name: str) -> tuple[Any, Any]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
-        raise ValueError(f"{name} must be a pair of two numbers; received {name}={value!r}")
-    return value[0], value[1]
-
-
 def _abs_sq(x: Tensor) -> Tensor:
     """``|x|**2`` (real, without a square root): ``x * x`` for real tensors."""
     return torch.real(x * x.conj()) if x.is_complex() else x * x
@@ -643,8 +637,8 @@ class QHAdam(_QHOptimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = {**self.defaults, **param_group}
-        beta1, beta2 = _pair(group["betas"], "betas")
-        nu1, nu2 = _pair(group["nus"], "nus")
+        beta1, beta2 = validation.check_pair(group["betas"], "betas")
+        nu1, nu2 = validation.check_pair(group["nus"], "nus")
         validation.check_qhadam(
             lr=_lr_value(group["lr"]),
             beta1=beta1,

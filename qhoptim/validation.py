@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 __all__ = [
     "check_beta",
@@ -26,6 +27,7 @@ __all__ = [
     "check_lr",
     "check_nu",
     "check_nu2",
+    "check_pair",
     "check_qhadam",
     "check_qhm",
     "check_unit_interval",
@@ -115,6 +117,13 @@ def check_interval(
         )
         raise range_error(name, interval, value)
     return value
+
+
+def check_pair(value: object, name: str) -> tuple[Any, Any]:
+    """``value`` as a 2-tuple (``betas``, ``nus``); a ``ValueError`` for anything else."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair of two numbers; received {name}={value!r}")
+    return value[0], value[1]
 
 
 def check_finite(value: T, name: str) -> T:
