@@ -1,6 +1,6 @@
 """Time one optimizer step of qhoptim.keras against Keras's own optimizers.
 
-    python benchmarks/keras_step.py [--repeats 30] [--backends tensorflow jax [torch]]
+    python benchmarks/keras_step.py [--repeats 30] [--backends tensorflow jax torch]
 
 Each Keras backend runs in its own process (``KERAS_BACKEND`` is fixed at
 import), the way ``model.fit`` applies gradients there:
@@ -9,10 +9,10 @@ import), the way ``model.fit`` applies gradients there:
   ``jit_compile="auto"`` turns XLA off on CPU-only machines);
 * jax: ``optimizer.stateless_apply`` under ``jax.jit`` with the optimizer and
   model state donated (as Keras's JAX trainer does);
-* torch (only when asked for: ``--backends torch``): ``optimizer.apply``
-  eagerly under ``torch.no_grad()``. Keras's own ``SGD`` and ``Adam`` have
-  hand-written ``torch._foreach`` versions on this backend; custom optimizers,
-  ours included, take Keras's generic per-variable path.
+* torch: ``optimizer.apply`` eagerly under ``torch.no_grad()``, as Keras's torch
+  trainer runs it. Keras's own ``SGD`` and ``Adam`` have hand-written
+  ``torch._foreach`` versions on this backend; ours step through
+  ``qhoptim.torch``'s multi-tensor kernels.
 
 Parameters are ResNet-18-shaped (62 tensors, 11.7M floats) and 500 tensors of
 1,000 elements, float32. The optimizers are interleaved round by round so they
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument(
         "--backends",
         nargs="+",
-        default=["tensorflow", "jax"],
+        default=["tensorflow", "jax", "torch"],
         choices=["tensorflow", "jax", "torch"],
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one backend, print JSON

@@ -79,6 +79,10 @@ if _BACKEND == "tensorflow":
     _SPARSE_TYPES: tuple[type, ...] = (tf.IndexedSlices,)
 else:
     _SPARSE_TYPES = ()
+if _BACKEND == "torch":
+    import torch
+
+    from qhoptim import torch as qh_torch
 
 #: On the TensorFlow backend each variable's step -- reading the state, the
 #: rule, writing the state back -- runs as one XLA computation
@@ -250,14 +254,46 @@ class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
             steps[step]([_handle(x) for x in inputs], [_handle(v) for v in state], **hparams)
             return
         if _BACKEND == "torch":
-            import torch
-
             with torch.no_grad():
                 values = step(*map(_read, inputs), *map(_read, state), **hparams)
         else:
             values = step(*map(_read, inputs), *map(_read, state), **hparams)
         for variable, value in zip(state, values, strict=True):
             self.assign(variable, value)
+
+    if _BACKEND == "torch":
+
+        def _backend_update_step(self, grads, trainable_variables, learning_rate):
+            """Every variable's step at once, with :mod:`qhoptim.torch`'s multi-tensor kernels.
+
+            Keras runs its own ``SGD`` and ``Adam`` this way on the torch backend
+            (``torch._foreach`` versions); the per-variable ``update_step`` would
+            launch every operation of the rule once per variable. The variables
+            are grouped by their decoupled weight decay; the generic path remains
+            for what the kernels do not take (hyperparameters that are tensors,
+            complex variables, ``torch.compile``).
+            """
+            hparams = self._torch_hparams()
+            wd = 0.0 if self.weight_decay is None else validation.concrete_float(self.weight_decay)
+            if hparams is None or wd is None or torch.compiler.is_compiling():
+                return super()._backend_update_step(grads, trainable_variables, learning_rate)
+            # Eager torch: the learning rate (Keras's variable, a schedule's
+            # tensor, a callable's number) is concrete; read once per step.
+            lr = float(_read(learning_rate))
+            groups: dict[float, tuple[list[int], list[Any], list[Any]]] = {}
+            for grad, variable in zip(grads, trainable_variables, strict=True):
+                param = variable.value  # Keras's ``value`` is not free: read once
+                if param.is_complex():
+                    return super()._backend_update_step(grads, trainable_variables, learning_rate)
+                decay = wd if wd and self._use_weight_decay(variable) else 0.0
+                indices, params, param_grads = groups.setdefault(decay, ([], [], []))
+                indices.append(self._get_variable_index(variable))
+                params.append(param)
+                param_grads.append(grad if grad.dtype == param.dtype else grad.to(param.dtype))
+            with torch.no_grad():
+                for wd, group in groups.items():
+                    self._torch_step(*group, lr=lr, weight_decay=wd, **hparams)
+            return None
 
 
 # ------------------------------------------------------------------------- QHM
@@ -387,6 +423,22 @@ class QHM(_QHOptimizer):
             momentum=self.momentum,
             nu=self.nu,
             weight_decay=self._weight_decay_for(variable),
+        )
+
+    def _torch_hparams(self):
+        hparams = {"momentum": self.momentum, "nu": self.nu}
+        return hparams if all(isinstance(x, float) for x in hparams.values()) else None
+
+    def _torch_step(self, indices, params, grads, **hparams):
+        buffers = [self._momentums[i].value for i in indices]
+        qh_torch.qhm(
+            params,
+            grads,
+            buffers,
+            foreach=True,  # as Keras's own SGD here; the kernels group by device and dtype
+            decoupled_weight_decay=True,
+            maximize=False,
+            **hparams,
         )
 
     def get_config(self):
@@ -561,6 +613,33 @@ class QHAdam(_QHOptimizer):
             weight_decay=self._weight_decay_for(variable),
             bias_dtype=_bias_correction_dtype(),
         )
+
+    def _torch_hparams(self):
+        hparams = {
+            "beta1": self.beta_1,
+            "beta2": self.beta_2,
+            "nu1": self.nu_1,
+            "nu2": self.nu_2,
+            "eps": self.epsilon,
+        }
+        return hparams if all(isinstance(x, float) for x in hparams.values()) else None
+
+    def _torch_step(self, indices, params, grads, **hparams):
+        exp_avgs = [self._momentums[i].value for i in indices]
+        exp_avg_sqs = [self._velocities[i].value for i in indices]
+        # ``iterations`` counts the steps taken before this one.
+        step = float(int(_read(self.iterations)) + 1)
+        grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(
+            [params, grads, exp_avgs, exp_avg_sqs]
+        )
+        for tensors, _ in grouped.values():
+            qh_torch._foreach_qhadam_group(
+                *tensors,
+                [step] * len(tensors[0]),
+                decoupled_weight_decay=True,
+                maximize=False,
+                **hparams,
+            )
 
     def get_config(self):
         config = super().get_config()

@@ -1090,8 +1090,6 @@ def _multi_tensor_qhadam(
         )
         return
     lr = cast(float, lr)
-    m1 = rules.qhm_coefficients(beta1, nu1)
-    m2 = rules.qhm_coefficients(beta2, nu2)
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [params, grads, exp_avgs, exp_avg_sqs, state_steps]  # type: ignore[list-item]
     )
@@ -1120,41 +1118,83 @@ def _multi_tensor_qhadam(
             torch._foreach_add_(device_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
         else:
             torch._foreach_add_(device_steps, 1)
-        # The folded coefficients depend on the step, which differs between
-        # parameters only if some missed steps (grad None).
-        steps = [_get_value(t) for t in device_steps]
-        folds = {
-            step: _fold(
-                rules.qhadam_coefficients(
-                    nu1, nu2, rules.bias_correction(beta1, step), rules.bias_correction(beta2, step)
-                ),
-                lr,
-                eps,
-            )
-            for step in set(steps)
-        }
-        for chunk in _chunks(device_params):
-            ps, gs = device_params[chunk], device_grads[chunk]
-            ms, ss = device_exp_avgs[chunk], device_exp_avg_sqs[chunk]
-            if maximize:
-                gs = cast(list[Tensor], torch._foreach_neg(gs))
-            if weight_decay != 0:
-                if decoupled_weight_decay:
-                    torch._foreach_mul_(ps, rules.decoupled_decay_factor(lr, weight_decay))
-                elif maximize:  # reuse the negated copy
-                    torch._foreach_add_(gs, ps, alpha=weight_decay)
-                else:
-                    gs = cast(list[Tensor], torch._foreach_add(gs, ps, alpha=weight_decay))
-            torch._foreach_lerp_(ms, gs, m1.grad_to_buffer)
-            torch._foreach_mul_(ss, m2.buffer_decay)
-            torch._foreach_addcmul_(ss, gs, gs, m2.grad_to_buffer)
-            chunk_steps = steps[chunk]
-            if len(folds) == 1:
-                _apply_folded(folds[chunk_steps[0]], ps, gs, ms, ss)
-                continue
-            for step in set(chunk_steps):
-                idx = [k for k, s in enumerate(chunk_steps) if s == step]
-                _apply_folded(folds[step], *([lst[k] for k in idx] for lst in (ps, gs, ms, ss)))
+        _foreach_qhadam_group(
+            device_params,
+            device_grads,
+            device_exp_avgs,
+            device_exp_avg_sqs,
+            [_get_value(t) for t in device_steps],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            nu1=nu1,
+            nu2=nu2,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize,
+        )
+
+
+def _foreach_qhadam_group(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[float],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    nu1: float,
+    nu2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+) -> None:
+    """QHAdam with multi-tensor kernels on real tensors of one device and dtype.
+
+    ``steps[i]`` is parameter ``i``'s step number *after* this step (1 on the
+    first). Also the step of ``qhoptim.keras`` on Keras's torch backend, where
+    Keras keeps one step counter for all variables.
+    """
+    m1 = rules.qhm_coefficients(beta1, nu1)
+    m2 = rules.qhm_coefficients(beta2, nu2)
+    # The folded coefficients depend on the step, which differs between
+    # parameters only if some missed steps (grad None).
+    folds = {
+        step: _fold(
+            rules.qhadam_coefficients(
+                nu1, nu2, rules.bias_correction(beta1, step), rules.bias_correction(beta2, step)
+            ),
+            lr,
+            eps,
+        )
+        for step in set(steps)
+    }
+    for chunk in _chunks(params):
+        ps, gs = params[chunk], grads[chunk]
+        ms, ss = exp_avgs[chunk], exp_avg_sqs[chunk]
+        if maximize:
+            gs = cast(list[Tensor], torch._foreach_neg(gs))
+        if weight_decay != 0:
+            if decoupled_weight_decay:
+                torch._foreach_mul_(ps, rules.decoupled_decay_factor(lr, weight_decay))
+            elif maximize:  # reuse the negated copy
+                torch._foreach_add_(gs, ps, alpha=weight_decay)
+            else:
+                gs = cast(list[Tensor], torch._foreach_add(gs, ps, alpha=weight_decay))
+        torch._foreach_lerp_(ms, gs, m1.grad_to_buffer)
+        torch._foreach_mul_(ss, m2.buffer_decay)
+        torch._foreach_addcmul_(ss, gs, gs, m2.grad_to_buffer)
+        chunk_steps = steps[chunk]
+        if len(folds) == 1:
+            _apply_folded(folds[chunk_steps[0]], ps, gs, ms, ss)
+            continue
+        for step in set(chunk_steps):
+            idx = [k for k, s in enumerate(chunk_steps) if s == step]
+            _apply_folded(folds[step], *([lst[k] for k in idx] for lst in (ps, gs, ms, ss)))
 
 
 def _apply_folded(

@@ -170,6 +170,70 @@ def test_tf_jit_compile_switch_gives_the_same_numbers(monkeypatch: pytest.Monkey
     _assert_close(compiled, plain)
 
 
+def _mixed_variables() -> list[keras.Variable]:
+    """float32 and float64 variables, one excluded from weight decay."""
+    return [
+        keras.Variable(X0[0], dtype="float64", name="kernel"),
+        keras.Variable(X0[1], dtype="float64", name="bias"),
+        keras.Variable(X0[0] + 0.25, dtype="float32", name="kernel32"),
+    ]
+
+
+def _apply_mixed(opt: keras.optimizers.Optimizer, steps: int) -> list[np.ndarray]:
+    variables = _mixed_variables()
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    for t in range(steps):
+        params = [np.asarray(ops.convert_to_numpy(v), np.float64) for v in variables]
+        grads = quadratic_grad(params, t)
+        opt.apply(
+            [ops.convert_to_tensor(g, v.dtype) for g, v in zip(grads, variables, strict=True)],
+            variables,
+        )
+    return [np.asarray(ops.convert_to_numpy(v), np.float64) for v in variables]
+
+
+@only_backend("torch")
+@pytest.mark.parametrize("name", ["qhm", "qhadam", "qhadamw"])
+def test_torch_multi_tensor_step_equals_per_variable_step(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the torch backend all variables step at once through qhoptim.torch's
+    # multi-tensor kernels; Keras's generic path (one ``update_step`` per
+    # variable, the code the other backends run) must give the same numbers.
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    from qhoptim import torch as qh_torch
+
+    make = {"qhm": PAIRS["qhm"][0], "qhadam": PAIRS["qhadam"][0], "qhadamw": qk.QHAdamW}[name]
+    calls: list[int] = []
+    for kernel in ("qhm", "_foreach_qhadam_group"):
+        original = getattr(qh_torch, kernel)
+        monkeypatch.setattr(
+            qh_torch, kernel, lambda *a, _f=original, **kw: calls.append(len(a[0])) or _f(*a, **kw)
+        )
+    fast = _apply_mixed(make(weight_decay=0.1), 12)
+    # Per step: the decayed float64 kernel + float32 kernel, and the bias;
+    # QHAdam's kernels run once per dtype, QHM's group by dtype inside.
+    assert calls and sum(calls) == 3 * 12, calls
+    calls.clear()
+    monkeypatch.setattr(qk._QHOptimizer, "_backend_update_step", BaseOptimizer._backend_update_step)
+    generic = _apply_mixed(make(weight_decay=0.1), 12)
+    assert not calls
+    for a, b, rtol in zip(fast, generic, (1e-13, 1e-13, 1e-6), strict=True):
+        assert _max_rel(a, b) <= rtol, (a, b)
+
+
+@only_backend("torch")
+def test_torch_tensor_hyperparameters_take_the_generic_path() -> None:
+    import torch
+
+    got = apply_steps(PAIRS["qhm"][0](), X0, quadratic_grad, 6)
+    opt = PAIRS["qhm"][0]()
+    opt.momentum = torch.tensor(0.9, dtype=torch.float64)  # no Python float: per-variable path
+    assert opt._torch_hparams() is None
+    _assert_close(apply_steps(opt, X0, quadratic_grad, 6), got)
+
+
 @only_backend("jax")
 def test_jax_stateless_apply_under_jit_matches_apply() -> None:
     import jax
