@@ -88,6 +88,8 @@ def _stepper(backend: str, opt: Any, shapes: list[tuple[int, ...]], grads: list[
     def step() -> None:
         with torch.no_grad():
             opt.apply(grads)
+        if variables[0].value.is_cuda:
+            torch.cuda.synchronize()  # wait for the step's kernels
 
     return step
 
@@ -129,7 +131,12 @@ def _versions(backend: str) -> str:
     import keras
 
     module = importlib.import_module(backend)
-    return f"keras {keras.__version__}, {backend} {module.__version__}"
+    where = ""
+    if backend == "torch":  # Keras puts variables on the GPU when torch sees one
+        import torch
+
+        where = " on cuda" if torch.cuda.is_available() else " on cpu"
+    return f"keras {keras.__version__}, {backend} {module.__version__}{where}"
 
 
 def main() -> None:
