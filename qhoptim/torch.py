@@ -167,6 +167,33 @@ def _chunks(tensors: list[Tensor]) -> list[slice]:
     return chunks
 
 
+def _foreach_decay_grads(
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+) -> list[Tensor]:
+    """The multi-tensor paths' gradients after ``maximize`` and weight decay.
+
+    Decoupled decay scales ``params`` in place (``rules.decoupled_decay_factor``);
+    coupled decay adds ``weight_decay * param`` to the gradients. The given
+    gradients are never written to.
+    """
+    if maximize:
+        grads = cast(list[Tensor], torch._foreach_neg(grads))
+    if weight_decay != 0:
+        if decoupled:
+            torch._foreach_mul_(params, rules.decoupled_decay_factor(lr, weight_decay))
+        elif maximize:  # reuse the negated copy
+            torch._foreach_add_(grads, params, alpha=weight_decay)
+        else:
+            grads = cast(list[Tensor], torch._foreach_add(grads, params, alpha=weight_decay))
+    return grads
+
+
 def _sparse_error(optimizer: str) -> RuntimeError:
     return RuntimeError(f"{optimizer} does not support sparse gradients")
 
@@ -548,15 +575,14 @@ def _multi_tensor_qhm(
             _view_as_real(device_params, device_grads, device_bufs)
         for chunk in _chunks(device_params):
             ps, gs, bufs = device_params[chunk], device_grads[chunk], device_bufs[chunk]
-            if maximize:
-                gs = cast(list[Tensor], torch._foreach_neg(gs))
-            if weight_decay != 0:
-                if decoupled_weight_decay:
-                    torch._foreach_mul_(ps, rules.decoupled_decay_factor(lr, weight_decay))
-                elif maximize:  # reuse the negated copy
-                    torch._foreach_add_(gs, ps, alpha=weight_decay)
-                else:
-                    gs = cast(list[Tensor], torch._foreach_add(gs, ps, alpha=weight_decay))
+            gs = _foreach_decay_grads(
+                ps,
+                gs,
+                lr=lr,
+                weight_decay=weight_decay,
+                decoupled=decoupled_weight_decay,
+                maximize=maximize,
+            )
             torch._foreach_lerp_(bufs, gs, c.grad_to_buffer)
             if c.buffer_weight != 0:
                 torch._foreach_add_(ps, bufs, alpha=-lr * c.buffer_weight)
@@ -1176,15 +1202,14 @@ def _foreach_qhadam_group(
     for chunk in _chunks(params):
         ps, gs = params[chunk], grads[chunk]
         ms, ss = exp_avgs[chunk], exp_avg_sqs[chunk]
-        if maximize:
-            gs = cast(list[Tensor], torch._foreach_neg(gs))
-        if weight_decay != 0:
-            if decoupled_weight_decay:
-                torch._foreach_mul_(ps, rules.decoupled_decay_factor(lr, weight_decay))
-            elif maximize:  # reuse the negated copy
-                torch._foreach_add_(gs, ps, alpha=weight_decay)
-            else:
-                gs = cast(list[Tensor], torch._foreach_add(gs, ps, alpha=weight_decay))
+        gs = _foreach_decay_grads(
+            ps,
+            gs,
+            lr=lr,
+            weight_decay=weight_decay,
+            decoupled=decoupled_weight_decay,
+            maximize=maximize,
+        )
         torch._foreach_lerp_(ms, gs, m1.grad_to_buffer)
         torch._foreach_mul_(ss, m2.buffer_decay)
         torch._foreach_addcmul_(ss, gs, gs, m2.grad_to_buffer)
