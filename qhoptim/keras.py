@@ -207,7 +207,9 @@ def _float(value: Any) -> Any:
 
 def _learning_rate(value: Any) -> Any:
     # Keras accepts only Python floats (plus schedules and callables); an int
-    # learning rate (``learning_rate=1``) is taken as the float it means.
+    # learning rate (``learning_rate=1``) is taken as the float it means --
+    # after the check, so that an error shows the value as it was typed.
+    validation.check_lr(value, "learning_rate")
     if isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
@@ -330,7 +332,7 @@ class QHM(_QHOptimizer):
             lr=learning_rate,
             momentum=momentum,
             nu=nu,
-            weight_decay=weight_decay,
+            weight_decay=0.0 if weight_decay is None else weight_decay,
             names={"lr": "learning_rate"},
         )
         super().__init__(
@@ -485,7 +487,7 @@ class QHAdam(_QHOptimizer):
             nu1=nu_1,
             nu2=nu_2,
             eps=epsilon,
-            weight_decay=weight_decay,
+            weight_decay=0.0 if weight_decay is None else weight_decay,
             names=_QHADAM_NAMES,
         )
         super().__init__(

@@ -64,7 +64,9 @@ def _lr_value(lr: Any) -> Any:
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element; received a tensor of shape {lr.shape}")
         return float(lr.detach())
-    return lr  # a number, or ``required`` (which the base class reports)
+    if lr is required:
+        return 0.0  # torch's add_param_group reports the missing lr, after these checks
+    return lr
 
 
 def _abs_sq(x: Tensor) -> Tensor:
