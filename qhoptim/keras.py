@@ -162,6 +162,19 @@ def _qhm_step(grad, lr, momentum_buffer, param, *, momentum, nu, weight_decay):
     return momentum_buffer, _new_value(param, direction, lr, weight_decay)
 
 
+def _step_number(iterations, dtype):
+    """The number of the step being taken, ``iterations + 1``, as a float of ``dtype``.
+
+    Keras's ``iterations`` is an int32 on the torch backend and on JAX without
+    x64; after ``2**31 - 1`` steps it wraps around to ``-2**31``. A negative
+    count would make ``beta**t`` overflow and the bias corrections ``-inf``, and
+    the step enormous; the wrapped count is read as the step it stands for
+    (``+ 2**32``), where the bias corrections are 1.
+    """
+    t = ops.cast(iterations, dtype) + 1
+    return ops.where(t < 1, t + 2.0**32, t)
+
+
 def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype, **hparams):
     """One QHAdam step of one variable, from :mod:`qhoptim.rules`.
 
@@ -170,7 +183,7 @@ def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype
     dtype = param.dtype
     lr = ops.cast(lr, dtype)
     weight_decay = hparams.pop("weight_decay")
-    t = ops.cast(iterations, bias_dtype) + 1
+    t = _step_number(iterations, bias_dtype)
     exp_avg, exp_avg_sq, update = rules.qhadam_update(
         grad,
         exp_avg,
@@ -228,6 +241,22 @@ class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
         # Decoupled decay is part of each variable's step (``_new_value``, i.e.
         # ``rules.apply_update``): same math as Keras's separate pass, one pass less.
         return
+
+    def load_own_variables(self, store: Any) -> None:
+        """Load the optimizer's variables (``.keras`` files), all or none.
+
+        Every shape is checked before any variable is assigned, so a store
+        saved from another model or optimizer raises ``ValueError`` and leaves
+        the state as it was (Keras alone assigns until the first mismatch).
+        """
+        for i, variable in enumerate(self.variables):
+            value = store[str(i)] if str(i) in store else None
+            if value is not None and tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"{type(self).__name__} cannot load its variable {i} ({variable.path}): "
+                    f"saved with shape {tuple(value.shape)}, it has {tuple(variable.shape)}"
+                )
+        super().load_own_variables(store)
 
     def _weight_decay_for(self, variable: Any) -> Any:
         """The decoupled weight decay of ``variable``: a float, or None for none."""
