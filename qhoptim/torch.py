@@ -1051,14 +1051,22 @@ class _FastQHAdam(NamedTuple):
     ``param += exp_avg_value * m / d + grad_value * g / d`` with
     ``d = sqrt(s + den_ratio*|g|^2) + den_eps``: the common factor ``sqrt(esw)``
     moves out of the square root into the two values. A zero weight skips its
-    pass, and ``nu2`` in {0, 1} reads ``|g|`` or ``s`` alone.
+    pass, and ``nu2`` in {0, 1} reads ``|g|`` or ``s`` alone. When ``esw`` is
+    tiny next to ``gsw`` (``nu2`` near 0, e.g. subnormal), ``gsw / esw`` would
+    overflow: then ``d = sqrt(|g|^2 + den_ratio*s) + den_eps`` with the factor
+    ``sqrt(gsw)`` taken out instead ("mix_grad").
     """
 
-    den: str  # "exp_avg_sq" | "grad" | "mix"
+    den: str  # "exp_avg_sq" | "grad" | "mix" | "mix_grad"
     den_ratio: float
     den_eps: float
     exp_avg_value: float
     grad_value: float
+
+
+# Largest ``gsw / esw`` folded as ``s + ratio*|g|^2``: ``ratio*|g|^2`` overflows
+# only for gradients whose square overflows anyway.
+_MAX_DEN_RATIO = 2.0**64
 
 
 def _fold(c: rules.QHAdamCoefficients, lr: float, eps: float) -> _FastQHAdam:
@@ -1066,9 +1074,12 @@ def _fold(c: rules.QHAdamCoefficients, lr: float, eps: float) -> _FastQHAdam:
         den, den_ratio, den_scale = "grad", 0.0, math.sqrt(c.grad_sq_weight)
     elif c.grad_sq_weight == 0:
         den, den_ratio, den_scale = "exp_avg_sq", 0.0, math.sqrt(c.exp_avg_sq_weight)
-    else:
+    elif c.grad_sq_weight <= _MAX_DEN_RATIO * c.exp_avg_sq_weight:
         den, den_ratio = "mix", c.grad_sq_weight / c.exp_avg_sq_weight
         den_scale = math.sqrt(c.exp_avg_sq_weight)
+    else:
+        den, den_ratio = "mix_grad", c.exp_avg_sq_weight / c.grad_sq_weight
+        den_scale = math.sqrt(c.grad_sq_weight)
     return _FastQHAdam(
         den,
         den_ratio,
@@ -1168,6 +1179,9 @@ def _single_tensor_qhadam(
             den = exp_avg_sq.sqrt()
         elif f.den == "grad":
             den = grad_sq.sqrt() if complex_param else grad.abs()
+        elif f.den == "mix_grad":
+            sq = grad_sq if complex_param else grad * grad
+            den = sq.add_(exp_avg_sq, alpha=f.den_ratio).sqrt_()
         elif complex_param:
             den = torch.add(exp_avg_sq, grad_sq, alpha=f.den_ratio).sqrt_()
         else:
@@ -1306,6 +1320,10 @@ def _apply_folded(
         den = torch._foreach_sqrt(ss)
     elif f.den == "grad":
         den = torch._foreach_abs(gs)
+    elif f.den == "mix_grad":
+        den = torch._foreach_mul(gs, gs)
+        torch._foreach_add_(den, ss, alpha=f.den_ratio)
+        torch._foreach_sqrt_(den)
     else:
         den = torch._foreach_addcmul(ss, gs, gs, f.den_ratio)
         torch._foreach_sqrt_(den)

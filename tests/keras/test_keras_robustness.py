@@ -229,3 +229,14 @@ def test_loading_variables_of_the_wrong_shape_raises_and_changes_nothing(cls) ->
     store[str(len(store) - 1)] = np.zeros(3)
     opt.load_own_variables(store)  # a store that fits loads
     np.testing.assert_array_equal(_np(opt.variables[-1]), np.zeros(3))
+
+
+@pytest.mark.parametrize("beta_2", [0.99999, 0.999999])
+def test_bias_corrections_near_beta_1_keep_the_precision_of_the_dtype(beta_2: float) -> None:
+    # Found by fuzzing: in float32, 1 - beta_2**t cancels (off by ~1e-2 at t = 1).
+    grads = np.array([[-0.0889], [-0.0657], [0.5]])
+    x0 = np.array([1.5])
+    got, _ = _run(qk.QHAdam(0.5, beta_1=0.0, beta_2=beta_2, nu_1=0.0, epsilon=0.0), grads, x0)
+    ref = reference.QHAdam(lr=0.5, betas=(0.0, beta_2), nus=(0.0, 1.0), eps=0.0)
+    want = _reference(ref, np.asarray(np.asarray(grads, EXACT_DTYPE), np.float64), x0)
+    np.testing.assert_allclose(got, want, rtol=EXACT_RTOL)

@@ -211,3 +211,20 @@ def test_low_precision_params_stay_close_to_the_float64_reference(
     # lr * |update|): the deviation grows at most by about one eps per step.
     deviation = max_relative_deviation(np.stack(got), np.stack(want))
     assert deviation <= steps * torch.finfo(dtype).eps, deviation
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("nu2", [5e-324, 2.2250738585072014e-309, 1e-300, 1e-30])
+@pytest.mark.parametrize("dtype", [F64, torch.complex128], ids=str)
+def test_a_tiny_nu2_follows_the_reference(nu2: float, dtype: torch.dtype, foreach: bool) -> None:
+    # Found by fuzzing: with nu2 subnormal, (1 - nu2) / nu2 overflowed in the
+    # folded coefficients and the step was 0 instead of about lr * g / |g|.
+    kwargs = {"lr": 0.5, "betas": (0.0, 0.9), "nus": (0.3, nu2), "eps": 0.0}
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(3, dtype=dtype, generator=gen)] for _ in range(4)]
+    x0 = torch.randn(3, dtype=dtype, generator=gen)
+    params = [torch.nn.Parameter(x0.clone())]
+    got = run_torch(QHAdam(params, **kwargs, foreach=foreach), params, grads)
+    want = reference_trajectory(QHAdam, kwargs, [x0], grads)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g[0], w[0], rtol=1e-12)
