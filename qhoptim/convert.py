@@ -36,7 +36,7 @@ This module imports only :mod:`math` and :mod:`qhoptim.validation`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from qhoptim import validation
@@ -109,6 +109,17 @@ def _real(value: float, name: str) -> float:
     return x
 
 
+def _checked(check: Callable[[float, str], object], value: float, name: str) -> float:
+    """``value`` as a float, checked by a :mod:`qhoptim.validation` range check.
+
+    The range check alone decides NaN and infinities, so a bad value reads as
+    it does in every backend (``lr must be in [0, inf); received lr=inf``).
+    """
+    x = validation.require_real(value, name)
+    check(value, name)
+    return x
+
+
 def _interval(
     value: float,
     name: str,
@@ -161,12 +172,12 @@ def from_sgd(lr: float) -> QHMParams:
 
     Preconditions: ``lr >= 0``.
     """
-    return _qhm(validation.check_lr(_real(lr, "lr"), "lr"), 0.0, 0.0)
+    return _qhm(_checked(validation.check_lr, lr, "lr"), 0.0, 0.0)
 
 
 def _heavy_ball(lr: float, momentum: float, nu: float | None) -> QHMParams:
-    lr = validation.check_lr(_real(lr, "lr"), "lr")
-    momentum = validation.check_beta(_real(momentum, "momentum"), "momentum")
+    lr = _checked(validation.check_lr, lr, "lr")
+    momentum = _checked(validation.check_beta, momentum, "momentum")
     return _qhm(lr / (1 - momentum), 1.0 if nu is None else momentum, momentum)
 
 
@@ -241,7 +252,7 @@ def from_pid(k_p: float, k_i: float, k_d: float, *, beta: float | None = None) -
     """
     k_p, k_i, k_d = _real(k_p, "k_p"), _real(k_i, "k_i"), _real(k_d, "k_d")
     if beta is not None:
-        beta = validation.check_beta(_real(beta, "beta"), "beta")
+        beta = _checked(validation.check_beta, beta, "beta")
     if k_p == 0.0 and k_d == 0.0:
         return from_sgd(validation.check_lr(k_i, "k_i"))
     if k_d == 0.0:
@@ -293,9 +304,9 @@ def from_an_pid(r: float, k_d: float, beta: float) -> QHMParams:
 
     Preconditions: ``r > 0``; ``0 < beta < 1``; ``k_d`` finite.
     """
-    r = _interval(_real(r, "r"), "r", 0.0, math.inf, low_closed=False)
+    r = _interval(r, "r", 0.0, math.inf, low_closed=False)
     k_d = _real(k_d, "k_d")
-    beta = _interval(_real(beta, "beta"), "beta", 0.0, 1.0, low_closed=False)
+    beta = _interval(beta, "beta", 0.0, 1.0, low_closed=False)
     return _qhm(r / (1 - beta), 1 + k_d * (1 - beta) ** 2 / (r * beta), beta)
 
 
@@ -325,8 +336,8 @@ def from_synthesized_nesterov(alpha: float, beta1: float, beta2: float) -> QHMPa
 
     Preconditions: ``alpha >= 0``; ``0 <= beta1 < 1``; ``beta2`` finite.
     """
-    alpha = validation.check_lr(_real(alpha, "alpha"), "alpha")
-    beta1 = validation.check_beta(_real(beta1, "beta1"), "beta1")
+    alpha = _checked(validation.check_lr, alpha, "alpha")
+    beta1 = _checked(validation.check_beta, beta1, "beta1")
     beta2 = _real(beta2, "beta2")
     if beta1 == 0.0:
         if beta2 != 0.0:
@@ -374,10 +385,10 @@ def from_robust_momentum(l: float, kappa: float, rho: float | None = None) -> QH
     Preconditions: ``l > 0``; ``kappa > 1``;
     ``1 - 1/sqrt(kappa) <= rho <= 1 - 1/kappa``.
     """
-    l = _interval(_real(l, "l"), "l", 0.0, math.inf, low_closed=False)
-    kappa = _interval(_real(kappa, "kappa"), "kappa", 1.0, math.inf, low_closed=False)
+    l = _interval(l, "l", 0.0, math.inf, low_closed=False)
+    kappa = _interval(kappa, "kappa", 1.0, math.inf, low_closed=False)
     lo, hi = 1 - 1 / math.sqrt(kappa), 1 - 1 / kappa
-    rho = lo if rho is None else _interval(_real(rho, "rho"), "rho", lo, hi, high_closed=True)
+    rho = lo if rho is None else _interval(rho, "rho", lo, hi, high_closed=True)
     alpha = kappa * (1 - rho) ** 2 * (1 + rho) / l
     beta = kappa * rho**3 / (kappa - 1)
     gamma = rho**3 / ((kappa - 1) * (1 - rho) ** 2 * (1 + rho))
@@ -415,8 +426,8 @@ def from_triple_momentum(l: float, kappa: float) -> QHMParams:
     Preconditions: ``l > 0``; ``kappa >= 1`` (``kappa = 1`` is gradient descent
     with step ``1/l``).
     """
-    l = _interval(_real(l, "l"), "l", 0.0, math.inf, low_closed=False)
-    kappa = _interval(_real(kappa, "kappa"), "kappa", 1.0, math.inf)
+    l = _interval(l, "l", 0.0, math.inf, low_closed=False)
+    kappa = _interval(kappa, "kappa", 1.0, math.inf)
     rho = 1 - 1 / math.sqrt(kappa)
     alpha = (1 + rho) / l
     beta = rho**2 / (2 - rho)
@@ -456,10 +467,10 @@ def from_accsgd(delta: float, kappa: float, xi: float, eps: float = 0.7) -> QHMP
     Preconditions: ``delta > 0``; ``kappa > 1``; ``0 < xi <= sqrt(kappa)``;
     ``0 < eps < 1`` (recommended 0.7).
     """
-    delta = _interval(_real(delta, "delta"), "delta", 0.0, math.inf, low_closed=False)
-    kappa = _interval(_real(kappa, "kappa"), "kappa", 1.0, math.inf, low_closed=False)
-    xi = _interval(_real(xi, "xi"), "xi", 0.0, math.sqrt(kappa), low_closed=False, high_closed=True)
-    eps = _interval(_real(eps, "eps"), "eps", 0.0, 1.0, low_closed=False)
+    delta = _interval(delta, "delta", 0.0, math.inf, low_closed=False)
+    kappa = _interval(kappa, "kappa", 1.0, math.inf, low_closed=False)
+    xi = _interval(xi, "xi", 0.0, math.sqrt(kappa), low_closed=False, high_closed=True)
+    eps = _interval(eps, "eps", 0.0, 1.0, low_closed=False)
     return _qhm(
         delta * eps * (1 + xi) / (1 + eps),
         (eps * xi - 1) / (eps * (1 + xi)),
@@ -565,10 +576,10 @@ def two_state_initial_buffer(
 def _adam_args(lr: float, betas: Sequence[float], eps: float) -> tuple[float, float, float, float]:
     b1, b2 = validation.check_pair(betas, "betas")
     return (
-        validation.check_lr(_real(lr, "lr"), "lr"),
-        validation.check_beta(_real(b1, "betas[0]"), "betas[0]"),
-        validation.check_beta(_real(b2, "betas[1]"), "betas[1]"),
-        validation.check_eps(_real(eps, "eps"), "eps"),
+        _checked(validation.check_lr, lr, "lr"),
+        _checked(validation.check_beta, b1, "betas[0]"),
+        _checked(validation.check_beta, b2, "betas[1]"),
+        _checked(validation.check_eps, eps, "eps"),
     )
 
 
@@ -623,7 +634,7 @@ def from_rmsprop(lr: float, alpha: float, eps: float) -> QHAdamParams:
 
     Preconditions: ``lr >= 0``; ``0 <= alpha < 1``; ``eps >= 0``.
     """
-    lr = validation.check_lr(_real(lr, "lr"), "lr")
-    alpha = validation.check_beta(_real(alpha, "alpha"), "alpha")
-    eps = validation.check_eps(_real(eps, "eps"), "eps")
+    lr = _checked(validation.check_lr, lr, "lr")
+    alpha = _checked(validation.check_beta, alpha, "alpha")
+    eps = _checked(validation.check_eps, eps, "eps")
     return QHAdamParams(lr, (0.0, alpha), (0.0, 1.0), eps)

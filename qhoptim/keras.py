@@ -30,6 +30,7 @@ References:
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Any
@@ -166,6 +167,32 @@ def _qhm_step(grad, lr, momentum_buffer, param, *, momentum, nu, weight_decay):
     return momentum_buffer, _new_value(param, direction, lr, weight_decay)
 
 
+def _step_number(iterations, dtype):
+    """The number of the step being taken, ``iterations + 1``, as a float of ``dtype``.
+
+    Keras's ``iterations`` is an int32 on the torch backend and on JAX without
+    x64; after ``2**31 - 1`` steps it wraps around to ``-2**31``. A negative
+    count would make ``beta**t`` overflow and the bias corrections ``-inf``, and
+    the step enormous; the wrapped count is read as the step it stands for
+    (``+ 2**32``), where the bias corrections are 1.
+    """
+    t = ops.cast(iterations, dtype) + 1
+    return ops.where(t < 1, t + 2.0**32, t)
+
+
+def _bias_correction(beta, t):
+    """:func:`qhoptim.rules.bias_correction`, ``1 - beta**t``, accurate in float32 too.
+
+    In float32 (JAX without x64) ``1 - beta**t`` cancels: for ``beta = 0.99999``
+    it is off by ~1e-2 relative at ``t = 1`` (Keras's ``Adam`` as well). Written
+    as ``-expm1(t * log(beta))``, with ``log(beta)`` taken in float64 here, it
+    keeps float32's precision. In float64 the rule is used as written.
+    """
+    if ops.dtype(t) != "float32" or beta == 0:
+        return rules.bias_correction(beta, t)
+    return -ops.expm1(t * math.log(beta))
+
+
 def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype, **hparams):
     """One QHAdam step of one variable, from :mod:`qhoptim.rules`.
 
@@ -174,13 +201,13 @@ def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype
     dtype = param.dtype
     lr = ops.cast(lr, dtype)
     weight_decay = hparams.pop("weight_decay")
-    t = ops.cast(iterations, bias_dtype) + 1
+    t = _step_number(iterations, bias_dtype)
     exp_avg, exp_avg_sq, update = rules.qhadam_update(
         grad,
         exp_avg,
         exp_avg_sq,
-        bias_correction1=ops.cast(rules.bias_correction(hparams["beta1"], t), dtype),
-        bias_correction2=ops.cast(rules.bias_correction(hparams["beta2"], t), dtype),
+        bias_correction1=ops.cast(_bias_correction(hparams["beta1"], t), dtype),
+        bias_correction2=ops.cast(_bias_correction(hparams["beta2"], t), dtype),
         sqrt=ops.sqrt,
         **hparams,
     )
@@ -211,7 +238,9 @@ def _float(value: Any) -> Any:
 
 def _learning_rate(value: Any) -> Any:
     # Keras accepts only Python floats (plus schedules and callables); an int
-    # learning rate (``learning_rate=1``) is taken as the float it means.
+    # learning rate (``learning_rate=1``) is taken as the float it means --
+    # after the check, so that an error shows the value as it was typed.
+    validation.check_lr(value, "learning_rate")
     if isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
@@ -230,6 +259,22 @@ class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
         # Decoupled decay is part of each variable's step (``_new_value``, i.e.
         # ``rules.apply_update``): same math as Keras's separate pass, one pass less.
         return
+
+    def load_own_variables(self, store: Any) -> None:
+        """Load the optimizer's variables (``.keras`` files), all or none.
+
+        Every shape is checked before any variable is assigned, so a store
+        saved from another model or optimizer raises ``ValueError`` and leaves
+        the state as it was (Keras alone assigns until the first mismatch).
+        """
+        for i, variable in enumerate(self.variables):
+            value = store[str(i)] if str(i) in store else None
+            if value is not None and tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"{type(self).__name__} cannot load its variable {i} ({variable.path}): "
+                    f"saved with shape {tuple(value.shape)}, it has {tuple(variable.shape)}"
+                )
+        super().load_own_variables(store)
 
     def _weight_decay_for(self, variable: Any) -> Any:
         """The decoupled weight decay of ``variable``: a float, or None for none."""
@@ -366,7 +411,7 @@ class QHM(_QHOptimizer):
             lr=learning_rate,
             momentum=momentum,
             nu=nu,
-            weight_decay=weight_decay,
+            weight_decay=0.0 if weight_decay is None else weight_decay,
             names={"lr": "learning_rate"},
         )
         super().__init__(
@@ -537,7 +582,7 @@ class QHAdam(_QHOptimizer):
             nu1=nu_1,
             nu2=nu_2,
             eps=epsilon,
-            weight_decay=weight_decay,
+            weight_decay=0.0 if weight_decay is None else weight_decay,
             names=_QHADAM_NAMES,
         )
         super().__init__(

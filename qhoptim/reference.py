@@ -119,12 +119,14 @@ class QHAdam:
     decoupled_weight_decay: bool = False
 
     def __post_init__(self) -> None:
+        beta1, beta2 = validation.check_pair(self.betas, "betas")
+        nu1, nu2 = validation.check_pair(self.nus, "nus")
         validation.check_qhadam(
             lr=self.lr,
-            beta1=self.betas[0],
-            beta2=self.betas[1],
-            nu1=self.nus[0],
-            nu2=self.nus[1],
+            beta1=beta1,
+            beta2=beta2,
+            nu1=nu1,
+            nu2=nu2,
             eps=self.eps,
             weight_decay=self.weight_decay,
             names={"beta1": "betas[0]", "beta2": "betas[1]", "nu1": "nus[0]", "nu2": "nus[1]"},

@@ -64,7 +64,9 @@ def _lr_value(lr: Any) -> Any:
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element; received a tensor of shape {lr.shape}")
         return float(lr.detach())
-    return lr  # a number, or ``required`` (which the base class reports)
+    if lr is required:
+        return 0.0  # torch's add_param_group reports the missing lr, after these checks
+    return lr
 
 
 def _abs_sq(x: Tensor) -> Tensor:
@@ -143,6 +145,60 @@ def _cast_complex_state(param: Tensor, state: dict[str, Any]) -> None:
             state[key] = value.to(param.dtype if value.is_complex() else param.real.dtype)
 
 
+def _check_param_state(
+    what: str, key: Any, param: Tensor, p_state: Any, allowed: tuple[frozenset[str], ...]
+) -> None:
+    """One parameter's saved state: the optimizer's keys, tensors that fit the parameter."""
+    if not isinstance(p_state, dict):
+        raise TypeError(
+            f"{what}: the state of parameter {key!r} is a {type(p_state).__name__}, not a dict"
+        )
+    keys = frozenset(p_state)
+    if keys not in allowed:
+        want = " or ".join(str(sorted(a)) for a in allowed if a)
+        raise ValueError(
+            f"{what}: the state of parameter {key!r} has keys {sorted(keys)}, expected {want}; "
+            "is this the state dict of another optimizer?"
+        )
+    for name, value in p_state.items():
+        if name in ("step", "beta1_weight", "beta2_weight"):
+            number = value
+            if torch.is_tensor(value):
+                if value.numel() != 1 or value.is_complex():
+                    raise ValueError(
+                        f"{what}: {name} of parameter {key!r} must be a real number or a "
+                        f"1-element tensor; received a tensor of shape {tuple(value.shape)}"
+                    )
+                number = value.item()
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise TypeError(
+                    f"{what}: {name} of parameter {key!r} must be a number; received {value!r}"
+                )
+            if not (math.isfinite(number) and number >= 0):
+                raise ValueError(
+                    f"{what}: {name} of parameter {key!r} must be in [0, inf); received {number!r}"
+                )
+            continue
+        if not torch.is_tensor(value):
+            raise TypeError(
+                f"{what}: {name} of parameter {key!r} must be a tensor; "
+                f"received {type(value).__name__}"
+            )
+        if value.shape != param.shape:
+            raise ValueError(
+                f"{what}: {name} of parameter {key!r} has shape {tuple(value.shape)}, "
+                f"the parameter {tuple(param.shape)}"
+            )
+        complex_ok = param.is_complex() and name != "exp_avg_sq"  # |g|^2 is real
+        if not (value.is_floating_point() or (value.is_complex() and complex_ok)) or (
+            complex_ok and not value.is_complex()
+        ):
+            raise ValueError(
+                f"{what}: {name} of parameter {key!r} has dtype {value.dtype}, which cannot "
+                f"hold the state of a {param.dtype} parameter"
+            )
+
+
 # On CPU the multi-tensor kernels run over runs of whole tensors of about this
 # many elements: each kernel then finds its operands still in cache from the
 # previous one (as the per-tensor loop does), while small tensors still share
@@ -214,6 +270,84 @@ class _QHOptimizer(Optimizer):
         """Fill in what an older state dict lacks in ``group`` and its state."""
         raise NotImplementedError
 
+    # What a state dict of this optimizer holds: the hyperparameters every param
+    # group must have, and the sets of keys a parameter's state may have (the
+    # empty set: not stepped yet).
+    _GROUP_KEYS: tuple[str, ...] = ()
+    _STATE_KEYS: tuple[frozenset[str], ...] = ()
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Validate a param group's hyperparameters (``validation``'s checks)."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._check_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the optimizer state, after checking it fits this optimizer.
+
+        The state dict must come from this optimizer class (or qhoptim 1.1.0's
+        class of the same name): its param groups must match this optimizer's in
+        number and size and hold valid hyperparameters, and each parameter's
+        state must have this optimizer's keys, with tensors of the parameter's
+        shape and a floating-point dtype (torch casts them to the parameter's
+        dtype, as for its own optimizers). Anything else -- a state dict of
+        ``torch.optim.Adam`` or of another QH optimizer, wrong shapes, missing
+        keys -- raises ``ValueError`` or ``TypeError`` and leaves the optimizer
+        unchanged. Load-state-dict pre-hooks run first, once, as in torch.
+        """
+        hooks = self._optimizer_load_state_dict_pre_hooks
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._check_state_dict(state_dict)
+        self._optimizer_load_state_dict_pre_hooks = type(hooks)()  # already run
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        name = type(self).__name__
+        what = f"{name}.load_state_dict"
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            keys = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else None
+            raise TypeError(
+                f"{what} expects a dict with 'state' and 'param_groups' (from state_dict()); "
+                f"received {type(state_dict).__name__}" + (f" with keys {keys}" if keys else "")
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{what}: the state dict has {len(saved_groups)} param groups, "
+                f"this optimizer {len(self.param_groups)}"
+            )
+        params: dict[Any, Tensor] = {}
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{what}: param group {i} of the state dict has {len(saved['params'])} "
+                    f"parameters, this optimizer's {len(group['params'])}"
+                )
+            missing = [k for k in self._GROUP_KEYS if k not in saved]
+            if missing:
+                raise ValueError(
+                    f"{what}: param group {i} lacks {missing}; is this the state dict "
+                    f"of another optimizer? {name} needs {list(self._GROUP_KEYS)}"
+                )
+            self._check_group({**self.defaults, **saved})
+            params.update(zip(saved["params"], group["params"], strict=True))
+        for key, p_state in state_dict["state"].items():
+            if key not in params:
+                raise ValueError(
+                    f"{what}: the state dict has state for parameter {key!r}, "
+                    "which none of its param groups lists"
+                )
+            _check_param_state(what, key, params[key], p_state, self._STATE_KEYS)
+
     def _gather(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
     ) -> tuple[list[dict[str, Any]], bool]:
@@ -280,20 +414,22 @@ class QHM(_QHOptimizer):
         }
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        group = {**self.defaults, **param_group}
+    _GROUP_KEYS = ("lr", "momentum", "nu", "weight_decay")
+    _STATE_KEYS = (frozenset(), frozenset({"momentum_buffer"}))
+
+    def _check_group(self, group: dict[str, Any]) -> None:
         validation.check_qhm(
             lr=_lr_value(group["lr"]),
             momentum=group["momentum"],
             nu=group["nu"],
             weight_decay=group["weight_decay"],
         )
-        if group["weight_decay_type"] not in _WEIGHT_DECAY_TYPES:
+        weight_decay_type = group.get("weight_decay_type", "grad")  # absent in qhoptim 1.1.0
+        if weight_decay_type not in _WEIGHT_DECAY_TYPES:
             raise ValueError(
                 "weight_decay_type must be 'grad' or 'direct'; "
-                f"received weight_decay_type={group['weight_decay_type']!r}"
+                f"received weight_decay_type={weight_decay_type!r}"
             )
-        super().add_param_group(param_group)
 
     def _upgrade_group(self, group: dict[str, Any]) -> None:
         # qhoptim 1.1.0 groups lack the torch flags; its state is the same.
@@ -661,8 +797,14 @@ class QHAdam(_QHOptimizer):
         }
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        group = {**self.defaults, **param_group}
+    _GROUP_KEYS = ("lr", "betas", "nus", "weight_decay", "eps")
+    _STATE_KEYS = (
+        frozenset(),
+        frozenset({"step", "exp_avg", "exp_avg_sq"}),
+        frozenset({"beta1_weight", "beta2_weight", "exp_avg", "exp_avg_sq"}),  # qhoptim 1.1.0
+    )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = validation.check_pair(group["betas"], "betas")
         nu1, nu2 = validation.check_pair(group["nus"], "nus")
         validation.check_qhadam(
@@ -675,7 +817,6 @@ class QHAdam(_QHOptimizer):
             weight_decay=group["weight_decay"],
             names={"beta1": "betas[0]", "beta2": "betas[1]", "nu1": "nus[0]", "nu2": "nus[1]"},
         )
-        super().add_param_group(param_group)
 
     def _upgrade_group(self, group: dict[str, Any]) -> None:
         group.setdefault("decouple_weight_decay", False)
@@ -936,14 +1077,22 @@ class _FastQHAdam(NamedTuple):
     ``param += exp_avg_value * m / d + grad_value * g / d`` with
     ``d = sqrt(s + den_ratio*|g|^2) + den_eps``: the common factor ``sqrt(esw)``
     moves out of the square root into the two values. A zero weight skips its
-    pass, and ``nu2`` in {0, 1} reads ``|g|`` or ``s`` alone.
+    pass, and ``nu2`` in {0, 1} reads ``|g|`` or ``s`` alone. When ``esw`` is
+    tiny next to ``gsw`` (``nu2`` near 0, e.g. subnormal), ``gsw / esw`` would
+    overflow: then ``d = sqrt(|g|^2 + den_ratio*s) + den_eps`` with the factor
+    ``sqrt(gsw)`` taken out instead ("mix_grad").
     """
 
-    den: str  # "exp_avg_sq" | "grad" | "mix"
+    den: str  # "exp_avg_sq" | "grad" | "mix" | "mix_grad"
     den_ratio: float
     den_eps: float
     exp_avg_value: float
     grad_value: float
+
+
+# Largest ``gsw / esw`` folded as ``s + ratio*|g|^2``: ``ratio*|g|^2`` overflows
+# only for gradients whose square overflows anyway.
+_MAX_DEN_RATIO = 2.0**64
 
 
 def _fold(c: rules.QHAdamCoefficients, lr: float, eps: float) -> _FastQHAdam:
@@ -951,9 +1100,12 @@ def _fold(c: rules.QHAdamCoefficients, lr: float, eps: float) -> _FastQHAdam:
         den, den_ratio, den_scale = "grad", 0.0, math.sqrt(c.grad_sq_weight)
     elif c.grad_sq_weight == 0:
         den, den_ratio, den_scale = "exp_avg_sq", 0.0, math.sqrt(c.exp_avg_sq_weight)
-    else:
+    elif c.grad_sq_weight <= _MAX_DEN_RATIO * c.exp_avg_sq_weight:
         den, den_ratio = "mix", c.grad_sq_weight / c.exp_avg_sq_weight
         den_scale = math.sqrt(c.exp_avg_sq_weight)
+    else:
+        den, den_ratio = "mix_grad", c.exp_avg_sq_weight / c.grad_sq_weight
+        den_scale = math.sqrt(c.grad_sq_weight)
     return _FastQHAdam(
         den,
         den_ratio,
@@ -1053,6 +1205,9 @@ def _single_tensor_qhadam(
             den = exp_avg_sq.sqrt()
         elif f.den == "grad":
             den = grad_sq.sqrt() if complex_param else grad.abs()
+        elif f.den == "mix_grad":
+            sq = grad_sq if complex_param else grad * grad
+            den = sq.add_(exp_avg_sq, alpha=f.den_ratio).sqrt_()
         elif complex_param:
             den = torch.add(exp_avg_sq, grad_sq, alpha=f.den_ratio).sqrt_()
         else:
@@ -1230,6 +1385,10 @@ def _apply_folded(
         den = torch._foreach_sqrt(ss)
     elif f.den == "grad":
         den = torch._foreach_abs(gs)
+    elif f.den == "mix_grad":
+        den = torch._foreach_mul(gs, gs)
+        torch._foreach_add_(den, ss, alpha=f.den_ratio)
+        torch._foreach_sqrt_(den)
     else:
         den = torch._foreach_addcmul(ss, gs, gs, f.den_ratio)
         torch._foreach_sqrt_(den)

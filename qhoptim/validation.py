@@ -6,10 +6,15 @@ sentence everywhere::
 
     ValueError: momentum must be in [0, 1); received momentum=1.2
 
-Only *concrete* numbers are checked: Python and NumPy reals. Anything else -- a
-traced array under ``jax.jit`` or ``optax.inject_hyperparams``, a tensor, a
-learning-rate schedule or callable -- is returned untouched, because its value
-is not known (or not cheaply knowable) when the optimizer is built.
+Only *concrete* numbers are checked: Python and NumPy reals. An array or
+tensor -- a traced array under ``jax.jit`` or ``optax.inject_hyperparams``, a
+torch tensor, a Keras variable -- and a learning-rate schedule or other
+callable are returned untouched, because their value is not known (or not
+cheaply knowable) when the optimizer is built. Everything else -- a string,
+``None``, a bool, a complex number, a list or tuple where one number is
+expected -- is a ``TypeError`` in the same shape::
+
+    TypeError: momentum must be a real number; received momentum='0.9'
 """
 
 from __future__ import annotations
@@ -40,23 +45,48 @@ __all__ = [
 T = TypeVar("T")
 
 
+def _deferred(value: object) -> bool:
+    """Whether ``value``'s number is only known later: an array, tensor or tracer, or a callable."""
+    return callable(value) or (hasattr(value, "shape") and hasattr(value, "dtype"))
+
+
+def _not_a_number(name: str, value: object) -> TypeError:
+    return TypeError(f"{name} must be a real number; received {name}={value!r}")
+
+
+def _concrete(value: object, name: str | None) -> float | None:
+    """``value`` as a float if a concrete real, ``None`` if deferred; otherwise a TypeError."""
+    if isinstance(value, bool):
+        if name is None:
+            raise TypeError(f"expected a real number, received the bool {value!r}")
+        raise _not_a_number(name, value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    # 0-d numpy arrays of real numbers (but no other array type: those may be traced values).
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        kind = getattr(getattr(value, "dtype", None), "kind", "")
+        if kind and kind in "iuf":
+            return float(value)  # type: ignore[arg-type]
+        if kind == "b" and name is None:
+            raise TypeError(f"expected a real number, received the bool {value!r}")
+        if name is None:
+            return None
+        raise _not_a_number(name, value)
+    if _deferred(value) or name is None:
+        return None
+    raise _not_a_number(name, value)
+
+
 def concrete_float(value: object) -> float | None:
     """Return ``value`` as a float if it is a concrete real number, else ``None``.
 
     Python ``int``/``float``, NumPy scalars and 0-d NumPy arrays are concrete.
-    Booleans are not numbers here (``momentum=True`` is a mistake, not ``1``).
+    Booleans are not numbers here (``momentum=True`` is a mistake, not ``1``):
+    they raise ``TypeError``. The ``check_*`` functions go further and reject
+    every value that is neither a concrete real nor deferred (see the module
+    docstring).
     """
-    if isinstance(value, bool):
-        raise TypeError(f"expected a real number, received the bool {value!r}")
-    if isinstance(value, numbers.Real):
-        return float(value)
-    # 0-d numpy arrays (but no other array type: those may be traced values).
-    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
-        try:
-            return float(value)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return None
-    return None
+    return _concrete(value, None)
 
 
 def _fmt(x: float) -> str:
@@ -77,9 +107,9 @@ def require_real(value: object, name: str) -> float:
     For functions that compute with the value right away (conversions, the
     analysis), where passing a traced value through is not an option.
     """
-    x = concrete_float(value)
+    x = _concrete(value, name)
     if x is None:
-        raise TypeError(f"{name} must be a real number; received {name}={value!r}")
+        raise _not_a_number(name, value)
     return x
 
 
@@ -101,9 +131,10 @@ def check_interval(
 ) -> T:
     """Check a concrete ``value`` lies in the interval from ``low`` to ``high``.
 
-    NaN is never inside; non-concrete values are returned unchecked.
+    NaN is never inside; deferred values (arrays, tensors, callables) are
+    returned unchecked, any other non-number is a ``TypeError``.
     """
-    x = concrete_float(value)
+    x = _concrete(value, name)
     if x is None:
         return value
     ok = not math.isnan(x)
@@ -128,7 +159,7 @@ def check_pair(value: object, name: str) -> tuple[Any, Any]:
 
 def check_finite(value: T, name: str) -> T:
     """Any finite real (QHM's ``nu``, QHAdam's ``nu1``)."""
-    x = concrete_float(value)
+    x = _concrete(value, name)
     if x is not None and not math.isfinite(x):
         raise ValueError(f"{name} must be a finite real number; received {name}={_shown(value, x)}")
     return value

@@ -62,7 +62,10 @@ def test_good_betas_pass_through_unchanged(beta) -> None:
 
 
 class _Traced:
-    """Stands in for a traced array / tensor / schedule: not a concrete number."""
+    """Stands in for a traced array or tensor: not a concrete number, but array-like."""
+
+    shape = ()
+    dtype = "float32"
 
 
 @pytest.mark.parametrize("value", [_Traced(), lambda step: 0.1, np.ones(3)])
@@ -74,8 +77,12 @@ def test_non_concrete_values_are_passed_through(value) -> None:
 
 
 def test_bool_is_not_a_number() -> None:
-    with pytest.raises(TypeError, match="bool"):
+    with pytest.raises(
+        TypeError, match=r"^momentum must be a real number; received momentum=True$"
+    ):
         v.check_beta(True, "momentum")
+    with pytest.raises(TypeError, match="bool"):
+        v.concrete_float(True)
 
 
 def test_reference_optimizers_validate_with_their_argument_names() -> None:

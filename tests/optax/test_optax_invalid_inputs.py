@@ -1,0 +1,86 @@
+"""The shared invalid-input table (conformance/invalid_inputs.py) against qhoptim.optax."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qhoptim.optax as qho
+from conformance.invalid_inputs import INVALID, NAMES, Invalid, backend_kwargs, pattern
+
+# (factory, family, the arguments it takes besides the table's)
+FACTORIES: list[tuple[Callable[..., Any], str, frozenset[str]]] = [
+    (qho.qhm, "qhm", frozenset({"learning_rate", "momentum", "nu"})),
+    (qho.scale_by_qhm, "qhm", frozenset({"momentum", "nu"})),
+    (qho.qhadam, "qhadam", frozenset({"learning_rate", "b1", "b2", "nu1", "nu2", "eps"})),
+    (
+        qho.qhadamw,
+        "qhadam",
+        frozenset({"learning_rate", "b1", "b2", "nu1", "nu2", "eps", "weight_decay"}),
+    ),
+    (qho.scale_by_qhadam, "qhadam", frozenset({"b1", "b2", "nu1", "nu2", "eps"})),
+]
+CASES = [
+    (factory, family, accepted, entry)
+    for factory, family, accepted in FACTORIES
+    for entry in INVALID
+    if entry.applies_to(family) and NAMES["optax"][entry.param] in accepted
+]
+IDS = [f"{factory.__name__}-{entry.id}" for factory, _, _, entry in CASES]
+
+
+def _kwargs(family: str, accepted: frozenset[str], entry: Invalid) -> dict[str, Any]:
+    kwargs = backend_kwargs("optax", family, entry)
+    return {k: v for k, v in kwargs.items() if k in accepted}
+
+
+@pytest.mark.parametrize(("factory", "family", "accepted", "entry"), CASES, ids=IDS)
+def test_factories_reject(factory, family, accepted, entry: Invalid) -> None:
+    with pytest.raises(entry.error, match=pattern(entry, NAMES["optax"][entry.param])):
+        factory(**_kwargs(family, accepted, entry))
+
+
+def test_every_optax_argument_of_the_table_is_tried() -> None:
+    tried = {NAMES["optax"][e.param] for _, _, _, e in CASES}
+    assert tried == {"learning_rate", "momentum", "nu", "b1", "b2", "nu1", "nu2", "eps"} | {
+        "weight_decay"
+    }
+
+
+# ------------------------------------------------------ values known only later
+@pytest.mark.parametrize(
+    ("factory", "kwargs"),
+    [
+        (qho.qhm, {"learning_rate": 0.1, "momentum": 0.9, "nu": 0.7}),
+        (qho.qhadam, {"learning_rate": 0.05, "b1": 0.9, "b2": 0.99, "nu1": 0.7, "nu2": 0.8}),
+        (qho.qhadamw, {"learning_rate": 0.05, "nu1": 0.7, "eps": 1e-6, "weight_decay": 0.1}),
+    ],
+)
+def test_traced_hyperparameters_pass_under_jit(factory, kwargs) -> None:
+    x = jnp.linspace(-1.0, 1.0, 4)
+    g = 2.0 * x
+
+    @jax.jit
+    def traced_step(hparams):  # every hyperparameter is a tracer in here
+        tx = factory(**hparams)
+        return tx.update(g, tx.init(x), x)[0]
+
+    traced = traced_step({k: jnp.asarray(v) for k, v in kwargs.items()})
+    tx = factory(**kwargs)
+    plain = tx.update(g, tx.init(x), x)[0]
+    np.testing.assert_allclose(traced, plain, rtol=1e-6)
+
+
+def test_concrete_array_hyperparameters_and_schedules_pass() -> None:
+    tx = qho.qhadam(optax.constant_schedule(0.1), b1=jnp.asarray(0.9), nu1=np.float32(0.7))
+    updates, _ = tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
+    assert bool(jnp.all(jnp.isfinite(updates)))
+    injected = optax.inject_hyperparams(qho.qhm)(learning_rate=0.1, momentum=0.9, nu=1.5)
+    updates, _ = jax.jit(injected.update)(jnp.ones(2), injected.init(jnp.ones(2)))
+    np.testing.assert_allclose(updates, -0.1 * ((1 - 1.5) + 1.5 * (1 - 0.9)) * jnp.ones(2))

@@ -1,0 +1,128 @@
+"""The invalid-input table (conformance/invalid_inputs.py) against the core.
+
+The same table runs against torch, optax and Keras in their test directories;
+every backend must raise the same exception type with the same sentence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conformance.invalid_inputs import (
+    CONVERSIONS,
+    GOOD,
+    INVALID,
+    NAMES,
+    Invalid,
+    backend_kwargs,
+    pattern,
+)
+from qhoptim import convert, reference, validation
+
+GOOD_QHM = GOOD["qhm"]
+GOOD_QHADAM = GOOD["qhadam"]
+QHM_ENTRIES = [e for e in INVALID if e.applies_to("qhm")]
+QHADAM_ENTRIES = [e for e in INVALID if e.applies_to("qhadam")]
+SCALAR_QHADAM = [e for e in QHADAM_ENTRIES if e.param not in ("betas", "nus")]
+
+
+def _ids(entries: list[Invalid]) -> list[str]:
+    return [e.id for e in entries]
+
+
+def _reference_kwargs(entry: Invalid) -> dict[str, Any]:
+    return backend_kwargs("reference", "qhadam", entry)
+
+
+def test_the_table_covers_every_hyperparameter_and_both_error_kinds() -> None:
+    params = {e.param for e in INVALID}
+    assert params == set(NAMES["torch"])
+    for param in params - {"betas", "nus"}:
+        kinds = {e.error for e in INVALID if e.param == param}
+        assert TypeError in kinds, param
+        assert ValueError in kinds, param
+
+
+@pytest.mark.parametrize("entry", QHM_ENTRIES, ids=_ids(QHM_ENTRIES))
+def test_check_qhm_rejects(entry: Invalid) -> None:
+    with pytest.raises(entry.error, match=pattern(entry, NAMES["core"][entry.param])):
+        validation.check_qhm(**{**GOOD_QHM, entry.param: entry.value})
+
+
+@pytest.mark.parametrize("entry", SCALAR_QHADAM, ids=_ids(SCALAR_QHADAM))
+def test_check_qhadam_rejects(entry: Invalid) -> None:
+    with pytest.raises(entry.error, match=pattern(entry, NAMES["core"][entry.param])):
+        validation.check_qhadam(**{**GOOD_QHADAM, entry.param: entry.value})
+
+
+@pytest.mark.parametrize("entry", QHM_ENTRIES, ids=_ids(QHM_ENTRIES))
+def test_reference_qhm_rejects(entry: Invalid) -> None:
+    with pytest.raises(entry.error, match=pattern(entry, NAMES["reference"][entry.param])):
+        reference.QHM(**{**GOOD_QHM, entry.param: entry.value})
+
+
+@pytest.mark.parametrize("cls", [reference.QHAdam, reference.QHAdamW])
+@pytest.mark.parametrize("entry", QHADAM_ENTRIES, ids=_ids(QHADAM_ENTRIES))
+def test_reference_qhadam_rejects(cls: type, entry: Invalid) -> None:
+    with pytest.raises(entry.error, match=pattern(entry, NAMES["reference"][entry.param])):
+        cls(**_reference_kwargs(entry))
+
+
+ADAM_ENTRIES = [e for e in QHADAM_ENTRIES if e.param in ("lr", "beta1", "beta2", "eps", "betas")]
+
+
+@pytest.mark.parametrize("entry", ADAM_ENTRIES, ids=_ids(ADAM_ENTRIES))
+def test_adam_conversions_reject(entry: Invalid) -> None:
+    kwargs = _reference_kwargs(entry)
+    args = {"lr": kwargs["lr"], "betas": kwargs["betas"], "eps": kwargs["eps"]}
+    for fn in (convert.from_adam, convert.from_nadam):
+        with pytest.raises(entry.error, match=pattern(entry, NAMES["reference"][entry.param])):
+            fn(**args)
+
+
+MOMENTUM_ENTRIES = [e for e in QHM_ENTRIES if e.param in ("lr", "momentum")]
+
+
+@pytest.mark.parametrize("entry", MOMENTUM_ENTRIES, ids=_ids(MOMENTUM_ENTRIES))
+def test_momentum_conversions_reject(entry: Invalid) -> None:
+    args = {"lr": 0.1, "momentum": 0.9, entry.param: entry.value}
+    for fn in (convert.from_momentum, convert.from_nesterov):
+        with pytest.raises(entry.error, match=pattern(entry, entry.param)):
+            fn(**args)
+
+
+@pytest.mark.parametrize("case", CONVERSIONS, ids=[c.function for c in CONVERSIONS])
+def test_conversion_preconditions(case: Any) -> None:
+    with pytest.raises(case.error, match=case.match):
+        getattr(convert, case.function)(**case.kwargs)
+
+
+# ------------------------------------------------------------- what still passes
+@pytest.mark.parametrize(
+    "value",
+    [0, 0.0, 0.5, np.float32(0.5), np.float64(0.0), np.int64(0), np.array(0.25)],
+    ids=repr,
+)
+def test_concrete_valid_values_pass(value: Any) -> None:
+    validation.check_qhm(lr=value, momentum=value, nu=value, weight_decay=value)
+    validation.check_qhadam(
+        lr=value, beta1=value, beta2=value, nu1=value, nu2=value, eps=value, weight_decay=value
+    )
+
+
+class _ArrayLike:
+    """An array whose value is not known yet (a tracer, a tensor on a device)."""
+
+    shape = ()
+    dtype = "float32"
+
+
+@pytest.mark.parametrize("value", [_ArrayLike(), np.ones(3), lambda step: 0.1], ids=repr)
+def test_deferred_values_pass_unchecked(value: Any) -> None:
+    validation.check_qhm(lr=value, momentum=value, nu=value, weight_decay=value)
+    validation.check_qhadam(
+        lr=value, beta1=value, beta2=value, nu1=value, nu2=value, eps=value, weight_decay=value
+    )

@@ -1,0 +1,216 @@
+"""load_state_dict refuses state that does not fit, and leaves the optimizer unchanged."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from qh_torch_testing import random_grads, run_torch
+
+from qhoptim.torch import QHM, QHAdam, QHAdamW
+
+F64 = torch.float64
+SHAPES = [(3, 2), (4,)]
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=F64)) for s in SHAPES]
+
+
+def _trained(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], steps: int = 3) -> Any:
+    params = _params()
+    opt = make(params)
+    run_torch(opt, params, random_grads(SHAPES, steps))
+    return opt
+
+
+def _snapshot(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy(opt.state_dict())
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i, state in a["state"].items():
+        assert state.keys() == b["state"][i].keys()
+        for key, value in state.items():
+            assert torch.equal(value, b["state"][i][key]), (i, key)
+
+
+QH = {
+    "QHM": lambda ps: QHM(ps, lr=0.5, momentum=0.9, nu=0.7),
+    "QHAdam": lambda ps: QHAdam(ps, lr=0.01, nus=(0.7, 0.9)),
+    "QHAdamW": lambda ps: QHAdamW(ps, lr=0.01, nus=(0.7, 1.0)),
+}
+FOREIGN = {
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    "SGD-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    **QH,
+}
+PAIRS = [
+    (target, source)
+    for target in QH
+    for source in FOREIGN
+    if source != target and {source, target} != {"QHAdam", "QHAdamW"}
+]
+
+
+@pytest.mark.parametrize(("target", "source"), PAIRS)
+def test_a_state_dict_of_another_optimizer_is_refused(target: str, source: str) -> None:
+    opt = _trained(QH[target])
+    before = _snapshot(opt)
+    foreign = _trained(FOREIGN[source]).state_dict()
+    with pytest.raises(ValueError, match="another optimizer"):
+        opt.load_state_dict(foreign)
+    _assert_same(opt.state_dict(), before)
+
+
+def _corrupt_cases() -> list[tuple[str, str, Callable[[dict[str, Any]], None], type, str]]:
+    def set_state(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+        def apply(sd: dict[str, Any]) -> None:
+            sd["state"][0][key] = value
+
+        return apply
+
+    def drop_state(key: str) -> Callable[[dict[str, Any]], None]:
+        return lambda sd: sd["state"][0].pop(key)
+
+    def set_group(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+        def apply(sd: dict[str, Any]) -> None:
+            sd["param_groups"][0][key] = value
+
+        return apply
+
+    return [
+        ("QHM", "shape", set_state("momentum_buffer", torch.zeros(2, 3, dtype=F64)), ValueError,
+         r"momentum_buffer of parameter 0 has shape \(2, 3\), the parameter \(3, 2\)"),
+        ("QHM", "broadcastable shape", set_state("momentum_buffer", torch.zeros(1, dtype=F64)),
+         ValueError, r"has shape \(1,\), the parameter \(3, 2\)"),
+        ("QHM", "int dtype", set_state("momentum_buffer", torch.zeros(3, 2, dtype=torch.int64)),
+         ValueError, "dtype torch.int64, which cannot hold the state"),
+        ("QHM", "complex for a real param",
+         set_state("momentum_buffer", torch.zeros(3, 2, dtype=torch.complex128)), ValueError,
+         "dtype torch.complex128"),
+        ("QHM", "not a tensor", set_state("momentum_buffer", [[0.0] * 2] * 3), TypeError,
+         "must be a tensor; received list"),
+        ("QHM", "missing key", drop_state("momentum_buffer"), None, ""),
+        ("QHM", "extra key", set_state("exp_avg", torch.zeros(3, 2, dtype=F64)), ValueError,
+         r"has keys \['exp_avg', 'momentum_buffer'\], expected \['momentum_buffer'\]"),
+        ("QHM", "bad momentum", set_group("momentum", 1.5), ValueError,
+         r"^momentum must be in \[0, 1\); received momentum=1.5$"),
+        ("QHM", "bad weight_decay_type", set_group("weight_decay_type", "l2"), ValueError,
+         "weight_decay_type must be 'grad' or 'direct'"),
+        ("QHM", "missing nu", lambda sd: sd["param_groups"][0].pop("nu"), ValueError,
+         r"param group 0 lacks \['nu'\]"),
+        ("QHAdam", "missing exp_avg_sq", drop_state("exp_avg_sq"), ValueError,
+         r"has keys \['exp_avg', 'step'\], expected"),
+        ("QHAdam", "shape", set_state("exp_avg_sq", torch.zeros(6, dtype=F64)), ValueError,
+         r"exp_avg_sq of parameter 0 has shape \(6,\)"),
+        ("QHAdam", "step shape", set_state("step", torch.zeros(2)), ValueError,
+         "step of parameter 0 must be a real number or a 1-element tensor"),
+        ("QHAdam", "negative step", set_state("step", torch.tensor(-3.0)), ValueError,
+         r"step of parameter 0 must be in \[0, inf\); received -3.0"),
+        ("QHAdam", "nan step", set_state("step", torch.tensor(float("nan"))), ValueError,
+         r"step of parameter 0 must be in \[0, inf\); received nan"),
+        ("QHAdam", "string step", set_state("step", "3"), TypeError,
+         "step of parameter 0 must be a number"),
+        ("QHAdam", "betas triple", set_group("betas", (0.9, 0.99, 0.999)), ValueError,
+         "betas must be a pair of two numbers"),
+        ("QHAdam", "nu2 out of range", set_group("nus", (0.7, 1.5)), ValueError,
+         r"^nus\[1\] must be in \[0, 1\]; received nus\[1\]=1.5$"),
+        ("QHAdam", "unknown parameter", lambda sd: sd["state"].update({7: sd["state"][0]}),
+         ValueError, "state for parameter 7, which none of its param groups lists"),
+        ("QHAdam", "a group too many", lambda sd: sd["param_groups"].append(
+            {**sd["param_groups"][0], "params": []}), ValueError, "has 2 param groups"),
+        ("QHAdam", "a parameter too many", lambda sd: sd["param_groups"][0]["params"].append(9),
+         ValueError, "param group 0 of the state dict has 3 parameters"),
+    ]  # fmt: skip
+
+
+CORRUPT = _corrupt_cases()
+
+
+@pytest.mark.parametrize(
+    ("target", "what", "corrupt", "error", "match"),
+    CORRUPT,
+    ids=[f"{c[0]}-{c[1]}" for c in CORRUPT],
+)
+def test_a_corrupt_state_dict_is_refused_and_nothing_changes(
+    target: str, what: str, corrupt: Callable[[dict[str, Any]], None], error: Any, match: str
+) -> None:
+    opt = _trained(QH[target])
+    saved = copy.deepcopy(opt.state_dict())
+    corrupt(saved)
+    if error is None:
+        # QHM's state of a parameter may be empty (not stepped yet): fine to load.
+        opt.load_state_dict(saved)
+        return
+    twin = _trained(QH[target])
+    before = _snapshot(opt)
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(saved)
+    _assert_same(opt.state_dict(), before)
+    # ... and it continues exactly as an optimizer that never saw the bad state.
+    grads = random_grads(SHAPES, 2, seed=5)
+    got = run_torch(opt, opt.param_groups[0]["params"], grads)
+    want = run_torch(twin, twin.param_groups[0]["params"], grads)
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert (x == y).all()
+
+
+@pytest.mark.parametrize("value", [None, [], {"state": {}}, "state_dict"])
+def test_something_that_is_not_a_state_dict_is_a_type_error(value: Any) -> None:
+    opt = _trained(QH["QHAdam"])
+    with pytest.raises(TypeError, match="expects a dict with 'state' and 'param_groups'"):
+        opt.load_state_dict(value)
+
+
+def test_pre_hooks_run_once_and_before_the_checks() -> None:
+    calls = []
+    opt = _trained(QH["QHM"])
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["momentum"] = 7.0  # invalid, repaired by the hook
+
+    def repair(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        calls.append(1)
+        state_dict["param_groups"] = copy.deepcopy(state_dict["param_groups"])
+        state_dict["param_groups"][0]["momentum"] = 0.5
+        return state_dict
+
+    opt.register_load_state_dict_pre_hook(repair)
+    opt.load_state_dict(saved)
+    assert calls == [1]
+    assert opt.param_groups[0]["momentum"] == 0.5
+    opt.load_state_dict(opt.state_dict())  # the hook stays registered
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("name", list(QH))
+def test_state_dicts_load_with_weights_only(name: str) -> None:
+    opt = _trained(QH[name])
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)  # no arbitrary unpickling
+    twin = QH[name](_params())
+    twin.load_state_dict(loaded)
+    _assert_same(twin.state_dict(), opt.state_dict())
+
+
+def test_a_tensor_lr_state_dict_loads_with_weights_only() -> None:
+    params = _params()
+    opt = QHAdam(params, lr=torch.tensor(0.01))
+    run_torch(opt, params, random_grads(SHAPES, 2))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    twin = QHAdam(_params(), lr=torch.tensor(0.5))
+    twin.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(twin.param_groups[0]["lr"], torch.tensor(0.01))
