@@ -672,8 +672,8 @@ class QHAdam(_QHOptimizer):
     def _torch_step(self, indices, params, grads, **hparams):
         exp_avgs = [self._momentums[i].value for i in indices]
         exp_avg_sqs = [self._velocities[i].value for i in indices]
-        # ``iterations`` counts the steps taken before this one.
-        step = float(int(_read(self.iterations)) + 1)
+        # The number of this step (``iterations`` + 1), read through an int32 wrap.
+        step = float(_step_number(_read(self.iterations), "float64"))
         grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(
             [params, grads, exp_avgs, exp_avg_sqs]
         )
