@@ -7,10 +7,13 @@ the multi-device runs need processes of their own. They import the same
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import qhoptim
 
@@ -33,3 +36,12 @@ def run_program(script: str, *args: str, env: dict[str, str], timeout: float = 3
             f"{script} exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
         )
     return proc.stdout
+
+
+def require_module(name: str) -> None:
+    """Skip unless ``name`` is installed; it is imported by the subprocess only.
+
+    (``pytest.importorskip`` would import it here too: TensorFlow takes seconds.)
+    """
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed")
