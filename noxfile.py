@@ -8,6 +8,9 @@ Sessions:
   torch        qhoptim.torch: its tests and its conformance rows
   optax        qhoptim.optax: its tests, doctests, example and conformance rows
   keras        qhoptim.keras, once per Keras backend (tensorflow, jax, torch)
+  distributed  each backend under its framework's distributed engine: torch DDP,
+               ZeRO, FSDP2 and DCP on 2 gloo ranks; optax under NamedSharding on
+               8 host devices; Keras under MirroredStrategy and keras.distribution
   sweep        the paper's parameter sweep, --quick smoke run (full: see docs/sweep.md)
   demo         one problem through every installed backend, agreement printed
 
@@ -26,10 +29,12 @@ import nox
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))
 ARTIFACTS = ROOT / "artifacts"
-BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras", "tests/docs")
+BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras", "tests/docs", "tests/distributed")
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
-nox.options.sessions = ["lint", "tests", "conformance", "torch", "optax", "keras", "sweep", "docs"]
+nox.options.sessions = [
+    "lint", "tests", "conformance", "torch", "optax", "keras", "distributed", "sweep", "docs",
+]  # fmt: skip
 nox.options.error_on_missing_interpreters = True
 if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
     nox.options.envdir = envdir
@@ -122,6 +127,15 @@ def keras(session: nox.Session, backend: str) -> None:
     env = {"KERAS_BACKEND": backend}
     _pytest(session, "tests/keras", env=env)
     _conformance(session, "keras", table=f"keras-{backend}", env=env)
+
+
+@nox.session(python=PYTHON)
+def distributed(session: nox.Session) -> None:
+    # Every framework is installed here, so every test must run:
+    # QHOPTIM_REQUIRE_ALL turns a skip into a failure (tests/distributed/conftest.py).
+    _install(session, "test,torch,jax")
+    session.install("tensorflow-cpu>=2.16", "keras>=3", *CONSTRAINTS)
+    _pytest(session, "tests/distributed", env={"QHOPTIM_REQUIRE_ALL": "1"})
 
 
 @nox.session(python=PYTHON)

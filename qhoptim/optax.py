@@ -207,7 +207,9 @@ def scale_by_qhadam(
 
     def init_fn(params: optax.Params) -> ScaleByQHAdamState:
         mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-        nu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.finfo(p.dtype).dtype), params)
+        # zeros_like, not zeros: the moment keeps the parameter's sharding (a
+        # sharded model's moments would otherwise all land on one device).
+        nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.finfo(p.dtype).dtype), params)
         return ScaleByQHAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def update_fn(

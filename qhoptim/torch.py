@@ -39,6 +39,7 @@ from torch.optim.optimizer import (
     _default_to_fused_or_foreach,
     _differentiable_doc,
     _foreach_doc,
+    _foreach_supported_types,
     _get_scalar_dtype,
     _get_value,
     _maximize_doc,
@@ -122,13 +123,17 @@ def _default_foreach(params: list[Tensor], differentiable: bool) -> bool:
     chunks (:data:`_CPU_CHUNK_NUMEL`), and so measured faster than the loop on
     CPU too: on ResNet-18 shapes as fast or faster (QHAdam 21 vs 22 ms), on 500
     tensors of 1,000 elements 1.5x faster (Python dispatch per tensor and op).
-    So foreach is the default on CPU as well, for plain tensors and
-    non-differentiable steps.
+    So foreach is the default on CPU as well, for non-differentiable steps of
+    the tensor types torch's multi-tensor kernels take: plain tensors and
+    parameters, and DTensors (FSDP2 or tensor parallelism on CPU), for which
+    the loop pays DTensor's dispatch per tensor and op: QHAdam on 200 DTensors
+    of 1,000 elements sharded over 2 gloo ranks takes 28 ms with foreach and
+    200 ms in the loop.
     """
     _, foreach = _default_to_fused_or_foreach(params, differentiable, use_fused=False)
     if foreach or differentiable:
         return foreach
-    return all(type(p) in (Tensor, torch.nn.Parameter) and p.device.type == "cpu" for p in params)
+    return all(type(p) in _foreach_supported_types and p.device.type == "cpu" for p in params)
 
 
 def _cast_complex_state(param: Tensor, state: dict[str, Any]) -> None:
