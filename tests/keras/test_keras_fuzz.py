@@ -10,8 +10,8 @@ from keras import ops
 from qh_keras_testing import EXACT_DTYPE
 
 import qhoptim.keras as qk
-from conformance.fuzzing import FuzzCase, fuzz_cases, reference_run
-from conformance.runner import TOLERANCES, max_relative_deviation
+from conformance.fuzzing import FuzzCase, fuzz_cases, reference_run, tolerance
+from conformance.runner import max_relative_deviation
 
 EXAMPLES = 25
 
@@ -55,8 +55,7 @@ def test_random_cases_follow_the_reference_and_resume_bit_for_bit(case: FuzzCase
     opt = _make(case)
     v = keras.Variable(x0, dtype=EXACT_DTYPE)
     got = np.stack([x0.ravel(), *_steps(opt, v, grads)])
-    tol = TOLERANCES["float64"] if EXACT_DTYPE == "float64" else TOLERANCES["float32"]
-    assert max_relative_deviation(got, want) <= tol
+    assert max_relative_deviation(got, want) <= tolerance(case, EXACT_DTYPE)
 
     k = case.resume_at
     opt = _make(case)

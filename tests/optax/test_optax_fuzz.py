@@ -12,8 +12,8 @@ import optax
 from hypothesis import given, settings
 
 import qhoptim.optax as qho
-from conformance.fuzzing import FuzzCase, fuzz_cases, reference_run
-from conformance.runner import TOLERANCES, max_relative_deviation
+from conformance.fuzzing import FuzzCase, fuzz_cases, reference_run, tolerance
+from conformance.runner import max_relative_deviation
 
 EXAMPLES = 40
 
@@ -49,7 +49,7 @@ def test_random_cases_follow_the_reference_and_resume_bit_for_bit(case: FuzzCase
     x0 = jnp.asarray(case.x0)
     traj, _, _ = _steps(tx, x0, tx.init(x0), case.grads)
     got = np.stack([case.x0.ravel(), *traj])
-    assert max_relative_deviation(got, want) <= TOLERANCES["float64"]
+    assert max_relative_deviation(got, want) <= tolerance(case)
 
     k = case.resume_at
     _, x, state = _steps(tx, x0, tx.init(x0), case.grads[:k])

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 
-from conformance.fuzzing import FuzzCase, fuzz_cases, reference_run
-from conformance.runner import TOLERANCES, max_relative_deviation
+from conformance.fuzzing import FuzzCase, fuzz_cases, reference_run, tolerance
+from conformance.runner import max_relative_deviation
 from qhoptim.torch import QHM, QHAdam, QHAdamW
 
 EXAMPLES = 40
@@ -49,7 +49,7 @@ def test_random_cases_follow_the_reference_and_resume_bit_for_bit(case: FuzzCase
         p = torch.nn.Parameter(torch.tensor(case.x0))
         opt = _make(case, [p], foreach)
         got = np.stack([case.x0.ravel(), *_steps(opt, p, case.grads)])
-        assert max_relative_deviation(got, want) <= TOLERANCES["float64"]
+        assert max_relative_deviation(got, want) <= tolerance(case)
 
         # Interrupted at a random step: save, load into a fresh optimizer, continue.
         k = case.resume_at
