@@ -5,6 +5,7 @@ Sessions:
   conformance  the conformance table (reference + numpy adapter) and the
                recovery table (QHM/QHAdam vs the algorithms they recover)
   lint         ruff (lint + format check) and mypy --strict on the core
+               (each backend's session type-checks its module)
   torch        qhoptim.torch: its tests and its conformance rows
   optax        qhoptim.optax: its tests, doctests, example and conformance rows
   keras        qhoptim.keras, once per Keras backend (tensorflow, jax, torch)
@@ -51,6 +52,13 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None)
     # pytest exits 5 when it collects nothing; nox treats any non-zero exit
     # as a failure, so an empty run can never pass silently.
     session.run("python", "-m", "pytest", *args, *session.posargs, env=env)
+
+
+def _typecheck(session: nox.Session, module: str) -> None:
+    # A backend module is type-checked where its framework is installed
+    # (the lint session checks the framework-free core).
+    session.install("mypy>=1.10", *CONSTRAINTS)
+    session.run("mypy", module)
 
 
 def _conformance(
@@ -103,6 +111,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def torch(session: nox.Session) -> None:
     _install(session, "test,torch")
+    _typecheck(session, "qhoptim/torch.py")
     _pytest(session, "tests/torch")
     _conformance(session, "torch", "torch-foreach", table="torch")
 
@@ -111,6 +120,7 @@ def torch(session: nox.Session) -> None:
 def optax(session: nox.Session) -> None:
     _install(session, "test,jax")
     session.install("flax", *CONSTRAINTS)  # the Flax example and checkpoint tests
+    _typecheck(session, "qhoptim/optax.py")
     _pytest(session, "tests/optax")
     _pytest(session, "--doctest-modules", "-p", "no:cacheprovider", "qhoptim/optax.py")
     _conformance(session, "optax", table="optax")
@@ -125,6 +135,8 @@ def keras(session: nox.Session, backend: str) -> None:
     _install(session, "test,torch")
     session.install("tensorflow-cpu>=2.16", "keras>=3", "jax", *CONSTRAINTS)
     env = {"KERAS_BACKEND": backend}
+    if backend == KERAS_BACKENDS[0]:  # the types do not depend on the backend
+        _typecheck(session, "qhoptim/keras.py")
     _pytest(session, "tests/keras", env=env)
     _conformance(session, "keras", table=f"keras-{backend}", env=env)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import keras
 
@@ -150,7 +150,9 @@ def _bias_correction_dtype() -> str:
     if _BACKEND == "jax":
         import jax
 
-        return "float64" if jax.config.jax_enable_x64 else "float32"
+        # float64 canonicalizes to itself only with ``jax_enable_x64``.
+        x64 = jax.dtypes.canonicalize_dtype("float64") == "float64"
+        return "float64" if x64 else "float32"
     return "float64"
 
 
@@ -678,9 +680,13 @@ class QHAdam(_QHOptimizer):
             [params, grads, exp_avgs, exp_avg_sqs]
         )
         for tensors, _ in grouped.values():
+            ps, gs, ms, ss = (cast("list[torch.Tensor]", t) for t in tensors)
             qh_torch._foreach_qhadam_group(
-                *tensors,
-                [step] * len(tensors[0]),
+                ps,
+                gs,
+                ms,
+                ss,
+                [step] * len(ps),
                 decoupled_weight_decay=True,
                 maximize=False,
                 **hparams,

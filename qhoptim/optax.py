@@ -51,7 +51,9 @@ class ScaleByQHMState(NamedTuple):
 class ScaleByQHAdamState(NamedTuple):
     """State of :func:`scale_by_qhadam`."""
 
-    count: jax.Array  # shape=(), dtype=jnp.int32: number of updates taken
+    # ``count`` shadows ``tuple.count``, as in optax's own ``ScaleByAdamState``,
+    # whose field name tools such as ``optax.tree.get(state, "count")`` expect.
+    count: jax.Array  # type: ignore[assignment]  # shape=(), int32: number of updates taken
     mu: optax.Updates  # first-moment EWMA g
     nu: optax.Updates  # second-moment EWMA s (real dtype, also for complex params)
 
@@ -75,6 +77,11 @@ def _cast(x: Any, dtype: Any) -> Any:
     # low-precision dtype before 1 - beta is formed); arrays -- counts, traced
     # hyperparameters under inject_hyperparams -- follow the leaf's dtype.
     return x.astype(dtype) if isinstance(x, jax.Array) else x
+
+
+def _real_dtype(dtype: Any) -> Any:
+    """The real dtype of ``dtype``: itself if real, float32 for complex64 (``finfo``'s dtype)."""
+    return jnp.finfo(dtype).dtype  # type: ignore[no-untyped-call]
 
 
 def _canonical_dtype(dtype: Any) -> Any:
@@ -131,7 +138,8 @@ def scale_by_qhm(
         del params
         grads, treedef = _flatten(updates)
         buffers, _ = _flatten(state.momentum_buffer)
-        new_updates, new_buffers = [], []
+        new_updates: list[Any] = []
+        new_buffers: list[Any] = []
         for g, buf in zip(grads, buffers, strict=True):
             if g is None:
                 new_updates.append(None)
@@ -209,7 +217,7 @@ def scale_by_qhadam(
         mu = optax.tree.zeros_like(params, dtype=mu_dtype)
         # zeros_like, not zeros: the moment keeps the parameter's sharding (a
         # sharded model's moments would otherwise all land on one device).
-        nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.finfo(p.dtype).dtype), params)
+        nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_real_dtype(p.dtype)), params)
         return ScaleByQHAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def update_fn(
@@ -221,7 +229,9 @@ def scale_by_qhadam(
         grads, treedef = _flatten(updates)
         mus, _ = _flatten(state.mu)
         nus, _ = _flatten(state.nu)
-        new_updates, new_mus, new_nus = [], [], []
+        new_updates: list[Any] = []
+        new_mus: list[Any] = []
+        new_nus: list[Any] = []
         for g, m, v in zip(grads, mus, nus, strict=True):
             if g is None:
                 new_updates.append(None)

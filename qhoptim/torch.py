@@ -59,6 +59,12 @@ _TORCH_FLAGS = {"maximize": False, "foreach": None, "capturable": False, "differ
 
 
 # --------------------------------------------------------------------- helpers
+# torch's own helpers, untyped there: the dtype of step counters, and a step's
+# value (a float, or the tensor itself under torch.compile / capturable).
+_scalar_dtype: Callable[[], torch.dtype] = _get_scalar_dtype
+_value_of: Callable[[Tensor], Any] = _get_value
+
+
 def _lr_value(lr: Any) -> Any:
     """The value of ``lr`` to validate: a 1-element tensor is read once, here, never in ``step``."""
     if isinstance(lr, Tensor):
@@ -103,7 +109,7 @@ def _formula_step(
 def _qhm_formula(grad: Tensor, *, buf: Tensor, momentum: float, nu: float) -> Tensor:
     new_buf, direction = rules.qhm_update(grad, buf, momentum=momentum, nu=nu)
     buf.copy_(new_buf)
-    return direction
+    return cast(Tensor, direction)
 
 
 def _qhadam_formula(grad: Tensor, *, exp_avg: Tensor, exp_avg_sq: Tensor, **kwargs: Any) -> Tensor:
@@ -112,7 +118,7 @@ def _qhadam_formula(grad: Tensor, *, exp_avg: Tensor, exp_avg_sq: Tensor, **kwar
     )
     exp_avg.copy_(new_exp_avg)
     exp_avg_sq.copy_(new_exp_avg_sq)
-    return update
+    return cast(Tensor, update)
 
 
 def _default_foreach(params: list[Tensor], differentiable: bool) -> bool:
@@ -835,9 +841,9 @@ class QHAdam(_QHOptimizer):
             if not torch.is_tensor(p_state["step"]):
                 step = float(p_state["step"])
                 p_state["step"] = (
-                    torch.tensor(step, dtype=_get_scalar_dtype(), device=p.device)
+                    torch.tensor(step, dtype=_scalar_dtype(), device=p.device)
                     if group["capturable"]
-                    else torch.tensor(step, dtype=_get_scalar_dtype())
+                    else torch.tensor(step, dtype=_scalar_dtype())
                 )
 
     def _init_group(
@@ -854,9 +860,9 @@ class QHAdam(_QHOptimizer):
             if len(state) == 0:
                 # As torch's Adam: the step count lives on the CPU unless capturable.
                 state["step"] = (
-                    torch.zeros((), dtype=_get_scalar_dtype(), device=p.device)
+                    torch.zeros((), dtype=_scalar_dtype(), device=p.device)
                     if group["capturable"]
-                    else torch.tensor(0.0, dtype=_get_scalar_dtype())
+                    else torch.tensor(0.0, dtype=_scalar_dtype())
                 )
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 # |g|^2 is real: a complex parameter has a real second moment.
@@ -1154,7 +1160,7 @@ def _single_tensor_qhadam(
         step_t += 1
 
         if formula:
-            step = step_t if capturable else _get_value(step_t)
+            step = step_t if capturable else _value_of(step_t)
             if isinstance(step, Tensor):  # bias corrections at the parameter's precision
                 step = step.to(torch.promote_types(step.dtype, param.real.dtype))
             update = functools.partial(
@@ -1185,7 +1191,7 @@ def _single_tensor_qhadam(
                 param.mul_(rules.decoupled_decay_factor(fast_lr, weight_decay))
             else:
                 grad = grad.add(param, alpha=weight_decay)
-        step = _get_value(step_t)
+        step = _value_of(step_t)
         if step != folded_step:  # the parameters of a group usually share their step
             folded_step = step
             f = _fold(
@@ -1309,7 +1315,7 @@ def _multi_tensor_qhadam(
             device_grads,
             device_exp_avgs,
             device_exp_avg_sqs,
-            [_get_value(t) for t in device_steps],
+            [_value_of(t) for t in device_steps],
             lr=lr,
             beta1=beta1,
             beta2=beta2,
