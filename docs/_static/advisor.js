@@ -48,13 +48,6 @@
   }
 
   // ------------------------------------------------- qhoptim.validation
-  function finite(x, name) {
-    if (!Number.isFinite(x)) {
-      throw new ValidationError(name + " must be a finite real number; received " + name + "=" + pyrepr(x));
-    }
-    return x;
-  }
-
   function interval(x, name, low, high, lowClosed, highClosed) {
     var ok = !Number.isNaN(x) && (lowClosed ? x >= low : x > low) && (highClosed ? x <= high : x < high);
     if (!ok) {
@@ -65,9 +58,10 @@
     return x;
   }
 
-  function checkLr(x, name) { return interval(finite(x, name), name, 0, Infinity, true, false); }
-  function checkBeta(x, name) { return interval(finite(x, name), name, 0, 1, true, false); }
-  function checkEps(x, name) { return interval(finite(x, name), name, 0, Infinity, true, false); }
+  // As qhoptim.convert: the range check alone decides NaN and infinities.
+  function checkLr(x, name) { return interval(x, name, 0, Infinity, true, false); }
+  function checkBeta(x, name) { return interval(x, name, 0, 1, true, false); }
+  function checkEps(x, name) { return interval(x, name, 0, Infinity, true, false); }
 
   // ---------------------------------------------------- qhoptim.convert
   function fromSgd(lr) {
