@@ -76,6 +76,21 @@ def _lr_value(lr: Any) -> Any:
     return lr
 
 
+def _numbers_only(hparams: dict[str, Any]) -> None:
+    """Refuse tensors for the hyperparameters that are not ``lr``.
+
+    The steps fold them into Python-float coefficients (the in-place kernels'
+    scalars), so a tensor would fail inside ``step`` or be read once and then
+    ignored when changed; only ``lr`` may be a tensor, as in ``torch.optim``.
+    """
+    for name, value in hparams.items():
+        if isinstance(value, Tensor):
+            raise TypeError(
+                f"{name} must be a Python number (only lr may be a tensor); "
+                f"received {name}={value!r}"
+            )
+
+
 def _abs_sq(x: Tensor) -> Tensor:
     """``|x|**2`` (real, without a square root): ``x * x`` for real tensors."""
     return torch.real(x * x.conj()) if x.is_complex() else x * x
@@ -429,12 +444,9 @@ class QHM(_QHOptimizer):
     _STATE_KEYS = (frozenset(), frozenset({"momentum_buffer"}))
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        validation.check_qhm(
-            lr=_lr_value(group["lr"]),
-            momentum=group["momentum"],
-            nu=group["nu"],
-            weight_decay=group["weight_decay"],
-        )
+        hparams = {k: group[k] for k in ("momentum", "nu", "weight_decay")}
+        _numbers_only(hparams)
+        validation.check_qhm(lr=_lr_value(group["lr"]), **hparams)
         weight_decay_type = group.get("weight_decay_type", "grad")  # absent in qhoptim 1.1.0
         if weight_decay_type not in _WEIGHT_DECAY_TYPES:
             raise ValueError(
@@ -818,6 +830,16 @@ class QHAdam(_QHOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = validation.check_pair(group["betas"], "betas")
         nu1, nu2 = validation.check_pair(group["nus"], "nus")
+        _numbers_only(
+            {
+                "betas[0]": beta1,
+                "betas[1]": beta2,
+                "nus[0]": nu1,
+                "nus[1]": nu2,
+                "eps": group["eps"],
+                "weight_decay": group["weight_decay"],
+            }
+        )
         validation.check_qhadam(
             lr=_lr_value(group["lr"]),
             beta1=beta1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -69,6 +70,31 @@ def test_valid_tensor_lrs_pass_and_step(lr: torch.Tensor) -> None:
             p.grad = torch.ones_like(p)
         opt.step()
         assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "name"),
+    [
+        (QHM, {"momentum": torch.tensor(0.9)}, "momentum"),
+        (QHM, {"nu": torch.tensor(0.7)}, "nu"),
+        (QHAdam, {"betas": (torch.tensor(0.9), 0.999)}, "betas[0]"),
+        (QHAdam, {"nus": (0.7, torch.tensor(1.0))}, "nus[1]"),
+        (QHAdamW, {"eps": torch.tensor(1e-8)}, "eps"),
+        (QHAdamW, {"weight_decay": torch.tensor(0.01)}, "weight_decay"),
+    ],
+)
+def test_tensor_hyperparameters_other_than_lr_are_refused(
+    cls: type, kwargs: dict[str, Any], name: str
+) -> None:
+    # The steps fold them into Python-float coefficients: a tensor would fail
+    # inside step(), or be read once and its later changes ignored.
+    message = rf"^{re.escape(name)} must be a Python number \(only lr may be a tensor\); "
+    with pytest.raises(TypeError, match=message + re.escape(f"received {name}=tensor(")):
+        cls(_params(), lr=0.1, **kwargs)
+    opt = cls(_params(), lr=0.1)
+    with pytest.raises(TypeError, match=message):
+        opt.add_param_group({"params": _params(), **kwargs})
+    assert len(opt.param_groups) == 1
 
 
 def test_missing_lr_is_still_torchs_error() -> None:
