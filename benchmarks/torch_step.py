@@ -58,7 +58,9 @@ def load_qhoptim_110(target: Path) -> Any:
     return importlib.import_module("qhoptim_1_1_0.pyt")
 
 
-def candidates(qh110: Any) -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
+def candidates(
+    qh110: Any, device: str = "cpu"
+) -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
     sgd = {"lr": 0.1, "momentum": 0.9, "nesterov": True}
     c: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
         "torch SGD-nesterov loop": lambda p: torch.optim.SGD(p, **sgd, foreach=False),
@@ -76,6 +78,22 @@ def candidates(qh110: Any) -> dict[str, Callable[[list[torch.Tensor]], torch.opt
         "QHAdam nu2<1 loop": lambda p: QHAdam(p, **QHADAM_NU2_KW, foreach=False),
         "QHAdam nu2<1 foreach": lambda p: QHAdam(p, **QHADAM_NU2_KW, foreach=True),
     }
+    if device.startswith("cuda"):
+        # capturable=True (CUDA graphs) with a tensor lr on the device, as graph
+        # replays need; compared with torch's capturable Adam.
+        def lr(value: float) -> torch.Tensor:
+            return torch.tensor(value, device=device)
+
+        c["torch Adam capturable foreach"] = lambda p: torch.optim.Adam(
+            p, lr=lr(1e-3), capturable=True, foreach=True
+        )
+        for impl, foreach in (("loop", False), ("foreach", True)):
+            c[f"QHM capturable {impl}"] = lambda p, f=foreach: QHM(
+                p, **{**QHM_KW, "lr": lr(QHM_KW["lr"])}, capturable=True, foreach=f
+            )
+            c[f"QHAdam capturable {impl}"] = lambda p, f=foreach: QHAdam(
+                p, **{**QHADAM_KW, "lr": lr(1e-3)}, capturable=True, foreach=f
+            )
     if qh110 is not None:
         c["qhoptim 1.1.0 QHM"] = lambda p: qh110.QHM(p, **QHM_KW)
         c["qhoptim 1.1.0 QHAdam"] = lambda p: qh110.QHAdam(p, **QHADAM_KW)
@@ -113,7 +131,11 @@ def time_steps(
 
 def report(shape_name: str, ms: dict[str, float]) -> list[str]:
     def best(prefix: str) -> tuple[str, float]:
-        rows = [(ms[n], n) for n in ms if n.startswith(prefix) and not n.endswith("fused")]
+        rows = [
+            (ms[n], n)
+            for n in ms
+            if n.startswith(prefix) and not n.endswith("fused") and "capturable" not in n
+        ]
         t, n = min(rows)
         return n, t
 
@@ -139,6 +161,9 @@ def report(shape_name: str, ms: dict[str, float]) -> list[str]:
     for opt in ("QHM", "QHAdam"):
         faster = "loop" if ms[f"{opt} loop"] < ms[f"{opt} foreach"] else "foreach"
         lines.append(f"{opt}: faster implementation here: {faster}")
+    if "torch Adam capturable foreach" in ms and "QHAdam capturable foreach" in ms:
+        ratio = ms["QHAdam capturable foreach"] / ms["torch Adam capturable foreach"]
+        lines.append(f"QHAdam capturable foreach / torch Adam capturable foreach = {ratio:.2f}x")
     return lines
 
 
@@ -166,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.steps} interleaved steps after {args.warmup} warm-up steps"
     )
     for shape_name in args.shapes:
-        makers = candidates(qh110)
+        makers = candidates(qh110, args.device)
         if args.only:
             makers = {n: m for n, m in makers.items() if any(o in n for o in args.only)}
         ms = time_steps(

@@ -19,6 +19,11 @@ Each implementation has two ways of taking a step:
   tensor): :func:`qhoptim.rules.qhm_update` / :func:`~qhoptim.rules.qhadam_update`
   evaluated on tensors, the results copied into the state. It is out of place,
   differentiable, free of host synchronisation, and ``torch.compile`` fuses it.
+  The multi-tensor implementation takes ``capturable=True`` (not differentiable,
+  not compiled) a third way: the coefficients of ``qhadam_coefficients``
+  evaluated on the device step counts, one per parameter, applied by
+  ``_foreach_`` kernels with tensor operands, so nothing is read back to the
+  host and the step can be captured in a CUDA graph.
 
 This module imports only torch and the qhoptim core.
 """
@@ -253,16 +258,16 @@ def _foreach_decay_grads(
     params: list[Tensor],
     grads: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float,
     decoupled: bool,
     maximize: bool,
 ) -> list[Tensor]:
     """The multi-tensor paths' gradients after ``maximize`` and weight decay.
 
-    Decoupled decay scales ``params`` in place (``rules.decoupled_decay_factor``);
-    coupled decay adds ``weight_decay * param`` to the gradients. The given
-    gradients are never written to.
+    Decoupled decay scales ``params`` in place (``rules.decoupled_decay_factor``,
+    a tensor for a tensor ``lr``); coupled decay adds ``weight_decay * param`` to
+    the gradients. The given gradients are never written to.
     """
     if maximize:
         grads = cast(list[Tensor], torch._foreach_neg(grads))
@@ -274,6 +279,27 @@ def _foreach_decay_grads(
         else:
             grads = cast(list[Tensor], torch._foreach_add(grads, params, alpha=weight_decay))
     return grads
+
+
+def _on_device_kernels(capturable: bool, differentiable: bool) -> bool:
+    """Whether a capturable multi-tensor step keeps its coefficients on the device.
+
+    ``capturable=True`` must not read anything back to the host (a CUDA graph
+    replays the step with new gradients and a new tensor ``lr``), so the
+    coefficients become tensors and the kernels take them as tensor operands.
+    Differentiable steps and ``torch.compile`` take the out-of-place formula
+    path instead (autograd; the compiler fuses it).
+    """
+    return capturable and not differentiable and not torch.compiler.is_compiling()
+
+
+def _foreach_sub_scaled(params: list[Tensor], updates: list[Tensor], lr: float | Tensor) -> None:
+    """``param -= lr * update`` for every pair; ``updates`` are overwritten for a tensor ``lr``."""
+    if isinstance(lr, Tensor):
+        torch._foreach_mul_(updates, lr)
+        torch._foreach_sub_(params, updates)
+    else:
+        torch._foreach_add_(params, updates, alpha=-lr)
 
 
 def _sparse_error(optimizer: str) -> RuntimeError:
@@ -627,8 +653,9 @@ QHM.__doc__ = rf"""Quasi-hyperbolic momentum (QHM) of `Ma and Yarats (2019)`_.
             Here the default also picks foreach on CPU, where it was measured faster.
         {_capturable_doc}
             QHM keeps no step counter, so with float hyperparameters it is always
-            capturable; ``capturable=True`` takes the out-of-place path of
-            :func:`qhoptim.rules.qhm_update`.
+            capturable; ``capturable=True`` also takes a tensor ``lr`` on the
+            device (the loop through :func:`qhoptim.rules.qhm_update`, foreach
+            with the tensor as a kernel operand).
         {_differentiable_doc}
 
     Example:
@@ -707,7 +734,8 @@ def _multi_tensor_qhm(
     if len(params) == 0:
         return
     lr = _to_scalar(lr)
-    if _needs_formula(lr, capturable, differentiable):
+    on_device = _on_device_kernels(capturable, differentiable)
+    if _needs_formula(lr, capturable, differentiable) and not on_device:
         _single_tensor_qhm(
             params,
             grads,
@@ -723,7 +751,6 @@ def _multi_tensor_qhm(
             has_complex=has_complex,
         )
         return
-    lr = cast(float, lr)
     c = rules.qhm_coefficients(momentum, nu)
     grouped = Optimizer._group_tensors_by_device_and_dtype([params, grads, momentum_buffers])  # type: ignore[list-item]
     for (device_params_, device_grads_, device_bufs_), _ in grouped.values():
@@ -743,6 +770,11 @@ def _multi_tensor_qhm(
                 maximize=maximize,
             )
             torch._foreach_lerp_(bufs, gs, c.grad_to_buffer)
+            if isinstance(lr, Tensor):  # capturable: ``lr`` stays on the device
+                direction = cast(list[Tensor], torch._foreach_mul(bufs, c.buffer_weight))
+                torch._foreach_add_(direction, gs, alpha=c.grad_weight)
+                _foreach_sub_scaled(ps, direction, lr)
+                continue
             if c.buffer_weight != 0:
                 torch._foreach_add_(ps, bufs, alpha=-lr * c.buffer_weight)
             if c.grad_weight != 0:
@@ -1291,7 +1323,8 @@ def _multi_tensor_qhadam(
         "capturable": capturable,
         "differentiable": differentiable,
     }
-    if _needs_formula(lr, capturable, differentiable):
+    on_device = _on_device_kernels(capturable, differentiable)
+    if _needs_formula(lr, capturable, differentiable) and not on_device:
         _single_tensor_qhadam(
             params,
             grads,
@@ -1303,7 +1336,6 @@ def _multi_tensor_qhadam(
             **kwargs,
         )
         return
-    lr = cast(float, lr)
     grouped = Optimizer._group_tensors_by_device_and_dtype(
         [params, grads, exp_avgs, exp_avg_sqs, state_steps]  # type: ignore[list-item]
     )
@@ -1332,13 +1364,31 @@ def _multi_tensor_qhadam(
             torch._foreach_add_(device_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
         else:
             torch._foreach_add_(device_steps, 1)
+        if on_device:
+            _foreach_qhadam_group_on_device(
+                device_params,
+                device_grads,
+                device_exp_avgs,
+                device_exp_avg_sqs,
+                device_steps,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                nu1=nu1,
+                nu2=nu2,
+                eps=eps,
+                weight_decay=weight_decay,
+                decoupled_weight_decay=decoupled_weight_decay,
+                maximize=maximize,
+            )
+            continue
         _foreach_qhadam_group(
             device_params,
             device_grads,
             device_exp_avgs,
             device_exp_avg_sqs,
             [_value_of(t) for t in device_steps],
-            lr=lr,
+            lr=cast(float, lr),
             beta1=beta1,
             beta2=beta2,
             nu1=nu1,
@@ -1398,9 +1448,7 @@ def _foreach_qhadam_group(
             decoupled=decoupled_weight_decay,
             maximize=maximize,
         )
-        torch._foreach_lerp_(ms, gs, m1.grad_to_buffer)
-        torch._foreach_mul_(ss, m2.buffer_decay)
-        torch._foreach_addcmul_(ss, gs, gs, m2.grad_to_buffer)
+        _foreach_qhadam_moments(ms, ss, gs, m1, m2)
         chunk_steps = steps[chunk]
         if len(folds) == 1:
             _apply_folded(folds[chunk_steps[0]], ps, gs, ms, ss)
@@ -1408,6 +1456,74 @@ def _foreach_qhadam_group(
         for step in set(chunk_steps):
             idx = [k for k, s in enumerate(chunk_steps) if s == step]
             _apply_folded(folds[step], *([lst[k] for k in idx] for lst in (ps, gs, ms, ss)))
+
+
+def _foreach_qhadam_moments(
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    grads: list[Tensor],
+    m1: rules.QHMCoefficients,
+    m2: rules.QHMCoefficients,
+) -> None:
+    """Both moments' EWMAs in place.
+
+    ``m <- lerp(m, g, 1 - beta1)`` and ``s <- beta2 * s + (1 - beta2) * g * g``.
+    """
+    torch._foreach_lerp_(exp_avgs, grads, m1.grad_to_buffer)
+    torch._foreach_mul_(exp_avg_sqs, m2.buffer_decay)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, m2.grad_to_buffer)
+
+
+def _foreach_qhadam_group_on_device(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    nu1: float,
+    nu2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+) -> None:
+    """QHAdam with multi-tensor kernels on real tensors of one device and dtype, capturable.
+
+    ``steps`` are the parameters' step counts on the device, already counting
+    this step. The bias corrections and :func:`qhoptim.rules.qhadam_coefficients`
+    are evaluated on them there, at the parameters' precision (one coefficient
+    per parameter), and a tensor ``lr`` is used as a tensor: nothing is read
+    back to the host, so the step can be captured in a CUDA graph.
+    """
+    t = torch.stack(steps).to(torch.promote_types(steps[0].dtype, params[0].dtype))
+    c = rules.qhadam_coefficients(
+        nu1, nu2, rules.bias_correction(beta1, t), rules.bias_correction(beta2, t)
+    )
+    m1 = rules.qhm_coefficients(beta1, nu1)
+    m2 = rules.qhm_coefficients(beta2, nu2)
+    grads = _foreach_decay_grads(
+        params,
+        grads,
+        lr=lr,
+        weight_decay=weight_decay,
+        decoupled=decoupled_weight_decay,
+        maximize=maximize,
+    )
+    _foreach_qhadam_moments(exp_avgs, exp_avg_sqs, grads, m1, m2)
+    # sqrt(grad_sq_weight * g^2 + exp_avg_sq_weight * s) + eps
+    den = torch._foreach_mul(exp_avg_sqs, list(c.exp_avg_sq_weight.unbind()))
+    torch._foreach_addcmul_(den, grads, grads, c.grad_sq_weight)
+    torch._foreach_sqrt_(den)
+    torch._foreach_add_(den, eps)
+    # (grad_weight * g + exp_avg_weight * m) / den
+    update = cast(list[Tensor], torch._foreach_mul(exp_avgs, list(c.exp_avg_weight.unbind())))
+    torch._foreach_add_(update, grads, alpha=c.grad_weight)
+    torch._foreach_div_(update, den)
+    _foreach_sub_scaled(params, update, lr)
 
 
 def _apply_folded(

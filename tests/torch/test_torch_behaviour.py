@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -210,6 +211,45 @@ def test_capturable_path_matches_the_reference(cls: type) -> None:
     assert_trajectories_close(got, reference_trajectory(cls, kwargs, [p0], grads))
     if cls is QHAdam:
         assert opt.state[p]["step"].device == p.device
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize("foreach", [False, True], ids=["loop", "foreach"])
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
+def test_capturable_steps_match_the_reference(
+    cls: type, kwargs: dict[str, Any], foreach: bool, tensor_lr: bool
+) -> None:
+    # capturable=True reads nothing back to the host: with foreach the
+    # coefficients are tensors on the device, one per parameter (params that
+    # skip a step have their own step count), and a tensor lr stays a tensor.
+    shapes = [(4, 3), (5,), (2, 2)]
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=F64)) for s in shapes]
+    params0 = [p.detach().clone() for p in params]
+    grads: list[list[torch.Tensor | None]] = list(random_grads(shapes, 6))
+    grads[2] = [grads[2][0], None, grads[2][2]]  # param 1 skips step 2
+    lr = torch.tensor(kwargs["lr"], dtype=F64) if tensor_lr else kwargs["lr"]
+    opt = cls(params, **{**kwargs, "lr": lr}, foreach=foreach, capturable=True)
+    got = run_torch(opt, params, grads)
+    want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
+    assert_trajectories_close(got, want)
+
+
+@pytest.mark.parametrize("cls", [QHAdam, QHAdamW])
+def test_capturable_foreach_takes_the_on_device_kernels(cls: type) -> None:
+    params = [torch.nn.Parameter(torch.ones(3, dtype=F64)) for _ in range(2)]
+    opt = cls(params, lr=0.1, foreach=True, capturable=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with (
+        mock.patch.object(
+            qht, "_foreach_qhadam_group_on_device", wraps=qht._foreach_qhadam_group_on_device
+        ) as spy,
+        mock.patch.object(qht, "_single_tensor_qhadam") as loop,
+    ):
+        opt.step()
+    spy.assert_called_once()
+    loop.assert_not_called()
 
 
 # ------------------------------------------------------------- conversions
