@@ -332,7 +332,7 @@ class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
                 param = variable.value  # Keras's ``value`` is not free: read once
                 if param.is_complex():
                     return super()._backend_update_step(grads, trainable_variables, learning_rate)
-                decay = wd if wd and self._use_weight_decay(variable) else 0.0
+                decay = 0.0 if self._weight_decay_for(variable) is None else wd
                 indices, params, param_grads = groups.setdefault(decay, ([], [], []))
                 indices.append(self._get_variable_index(variable))
                 params.append(param)

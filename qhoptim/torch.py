@@ -96,6 +96,11 @@ def _numbers_only(hparams: dict[str, Any]) -> None:
             )
 
 
+def _at_precision(step: Tensor, param: Tensor) -> Tensor:
+    """Step counts (float32 tensors) at ``param``'s precision, for its bias corrections."""
+    return step.to(torch.promote_types(step.dtype, param.real.dtype))
+
+
 def _abs_sq(x: Tensor) -> Tensor:
     """``|x|**2`` (real, without a square root): ``x * x`` for real tensors."""
     return torch.real(x * x.conj()) if x.is_complex() else x * x
@@ -1216,7 +1221,7 @@ def _single_tensor_qhadam(
         if formula:
             step = step_t if capturable else _value_of(step_t)
             if isinstance(step, Tensor):  # bias corrections at the parameter's precision
-                step = step.to(torch.promote_types(step.dtype, param.real.dtype))
+                step = _at_precision(step, param)
             update = functools.partial(
                 _qhadam_formula,
                 exp_avg=exp_avg,
@@ -1499,7 +1504,7 @@ def _foreach_qhadam_group_on_device(
     per parameter), and a tensor ``lr`` is used as a tensor: nothing is read
     back to the host, so the step can be captured in a CUDA graph.
     """
-    t = torch.stack(steps).to(torch.promote_types(steps[0].dtype, params[0].dtype))
+    t = _at_precision(torch.stack(steps), params[0])
     c = rules.qhadam_coefficients(
         nu1, nu2, rules.bias_correction(beta1, t), rules.bias_correction(beta2, t)
     )
