@@ -111,9 +111,9 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def torch(session: nox.Session) -> None:
     _install(session, "test,torch")
-    _typecheck(session, "qhoptim/torch.py")
+    _typecheck(session, "qhoptim/torch")
     _pytest(session, "tests/torch")
-    _conformance(session, "torch", "torch-foreach", table="torch")
+    _conformance(session, "torch", "torch-foreach", "torch-fused", table="torch")
 
 
 @nox.session(python=PYTHON)
@@ -136,7 +136,7 @@ def keras(session: nox.Session, backend: str) -> None:
     session.install("tensorflow-cpu>=2.16", "keras>=3", "jax", *CONSTRAINTS)
     env = {"KERAS_BACKEND": backend}
     if backend == KERAS_BACKENDS[0]:  # the types do not depend on the backend
-        _typecheck(session, "qhoptim/keras.py")
+        _typecheck(session, "qhoptim/keras")
     _pytest(session, "tests/keras", env=env)
     _conformance(session, "keras", table=f"keras-{backend}", env=env)
 

@@ -3,12 +3,15 @@ r"""QHM and QHAdam as optax gradient transformations.
 ``scale_by_qhm`` and ``scale_by_qhadam`` are the scalings; ``qhm``, ``qhadam`` and
 ``qhadamw`` compose them with the learning rate exactly as ``optax.sgd``,
 ``optax.adam`` and ``optax.adamw`` do, so they chain, inject and checkpoint like
-any optax optimizer::
+any optax optimizer; ``from_params`` builds ``qhm`` or ``qhadam`` from a
+:mod:`qhoptim.convert` result::
 
     import optax
     import qhoptim.optax as qho
+    from qhoptim import convert
 
     tx = optax.chain(optax.clip_by_global_norm(1.0), qho.qhadam(1e-3, nu1=0.7))
+    tx = qho.from_params(convert.from_nesterov(lr=0.01, momentum=0.9))  # sgd(nesterov=True)
 
 The math of every step comes from :mod:`qhoptim.rules`; this module only maps it
 over pytrees, keeps optax's state and dtype conventions, and lets XLA fuse it.
@@ -23,15 +26,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
-import optax
+try:
+    import jax
+    import jax.numpy as jnp
+    import optax
+except ImportError as error:  # pragma: no cover - exercised where JAX or optax is absent
+    raise ImportError(
+        f"qhoptim.optax needs JAX and optax ({error.name} is not installed). "
+        'Install them with `pip install "qhoptim[jax]"`.'
+    ) from error
 
-from qhoptim import rules, validation
+from qhoptim import convert, rules, validation
 
 __all__ = [
     "ScaleByQHAdamState",
     "ScaleByQHMState",
+    "from_params",
     "qhadam",
     "qhadamw",
     "qhm",
@@ -54,8 +64,11 @@ class ScaleByQHAdamState(NamedTuple):
     # ``count`` shadows ``tuple.count``, as in optax's own ``ScaleByAdamState``,
     # whose field name tools such as ``optax.tree.get(state, "count")`` expect.
     count: jax.Array  # type: ignore[assignment]  # shape=(), int32: number of updates taken
-    mu: optax.Updates  # first-moment EWMA g
-    nu: optax.Updates  # second-moment EWMA s (real dtype, also for complex params)
+    mu: optax.Updates  # first-moment EWMA g (torch's exp_avg)
+    # The second-moment EWMA s (torch's exp_avg_sq; real dtype, also for complex
+    # params). The field keeps optax's name ``nu``, as in ``ScaleByAdamState``;
+    # it is unrelated to QHAdam's immediate discounts nu1, nu2.
+    nu: optax.Updates
 
 
 def _is_none(x: Any) -> bool:
@@ -86,6 +99,29 @@ def _real_dtype(dtype: Any) -> Any:
 
 def _canonical_dtype(dtype: Any) -> Any:
     return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _bias_correction(beta: float | jax.Array, count: jax.Array) -> jax.Array:
+    """``1 - beta**count`` under :func:`qhoptim.rules.bias_correction`'s float32 policy.
+
+    With ``jax_enable_x64`` and a float64 (or Python) ``beta`` the correction is
+    computed in float64 as ``1 - beta**count``, as the float64 reference does.
+    Otherwise -- the default float32 JAX, or a lower-precision array ``beta`` --
+    it is ``-expm1(count * log(beta))``, which keeps float32's relative
+    precision near ``beta = 1`` where ``1 - beta**count`` cancels. ``log`` of a
+    concrete ``beta`` is taken in float64 (:func:`math.log`); a traced one
+    (``optax.inject_hyperparams``) uses :func:`jax.numpy.log`.
+    """
+    beta_value = validation.concrete_float(beta)
+    x64 = jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
+    if x64 and (beta_value is not None or jnp.result_type(beta) == jnp.float64):
+        # A float exponent: XLA raises to an integer power by repeated squaring,
+        # tens of ulps off Python's ``beta ** step`` after a thousand steps.
+        t = count.astype(jnp.float64)
+        return jnp.asarray(rules.bias_correction(beta if beta_value is None else beta_value, t))
+    if beta_value is None:
+        return jnp.asarray(rules.bias_correction(beta, count, expm1=jnp.expm1, log=jnp.log))
+    return jnp.asarray(rules.bias_correction(beta_value, count, expm1=jnp.expm1))
 
 
 def _check_learning_rate(learning_rate: ScalarOrSchedule) -> None:
@@ -172,17 +208,25 @@ def scale_by_qhadam(
 
     .. math::
 
-        \mu_t &= \beta_1 \mu_{t-1} + (1 - \beta_1) u_t, &
-        \hat\mu_t &= \mu_t / (1 - \beta_1^t) \\
-        \nu_t &= \beta_2 \nu_{t-1} + (1 - \beta_2) |u_t|^2, &
-        \hat\nu_t &= \nu_t / (1 - \beta_2^t) \\
-        u'_t &= \frac{(1 - \nu_1) u_t + \nu_1 \hat\mu_t}
-                    {\sqrt{(1 - \nu_2) |u_t|^2 + \nu_2 \hat\nu_t} + \epsilon}
+        g_t &= \beta_1 g_{t-1} + (1 - \beta_1) u_t, &
+        \hat g_t &= g_t / (1 - \beta_1^t) \\
+        s_t &= \beta_2 s_{t-1} + (1 - \beta_2) |u_t|^2, &
+        \hat s_t &= s_t / (1 - \beta_2^t) \\
+        u'_t &= \frac{(1 - \nu_1) u_t + \nu_1 \hat g_t}
+                    {\sqrt{(1 - \nu_2) |u_t|^2 + \nu_2 \hat s_t} + \epsilon}
 
     with :math:`\beta_1, \beta_2` = ``b1, b2``, :math:`\nu_1, \nu_2` = ``nu1,
     nu2`` and :math:`\epsilon` = ``eps``. ``nu1 = nu2 = 1`` is Adam
     (``optax.scale_by_adam`` with ``eps_root=0``). :math:`\epsilon` is added
     after the bias-corrected square root, as in the paper and in optax's Adam.
+    The state keeps optax's field names: ``mu`` is the first moment :math:`g`
+    (torch's ``exp_avg``), ``nu`` the second moment :math:`s` (``exp_avg_sq``).
+
+    Bias corrections follow :func:`qhoptim.rules.bias_correction`: in float32
+    (JAX's default) they are ``-expm1(t * log(beta))``, accurate to float32's
+    relative precision even for ``beta`` within ``1e-7`` of 1, where
+    ``1 - beta**t`` -- what ``optax.scale_by_adam`` computes -- loses most of
+    its digits; with ``jax_enable_x64`` they are ``1 - beta**t`` in float64.
 
     Args:
       b1: decay of the first-moment EWMA, in ``[0, 1)``.
@@ -214,51 +258,52 @@ def scale_by_qhadam(
     mu_dtype = _canonical_dtype(mu_dtype)
 
     def init_fn(params: optax.Params) -> ScaleByQHAdamState:
-        mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+        exp_avg = optax.tree.zeros_like(params, dtype=mu_dtype)
         # zeros_like, not zeros: the moment keeps the parameter's sharding (a
         # sharded model's moments would otherwise all land on one device).
-        nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_real_dtype(p.dtype)), params)
-        return ScaleByQHAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+        exp_avg_sq = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_real_dtype(p.dtype)), params)
+        return ScaleByQHAdamState(count=jnp.zeros([], jnp.int32), mu=exp_avg, nu=exp_avg_sq)
 
     def update_fn(
         updates: optax.Updates, state: ScaleByQHAdamState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ScaleByQHAdamState]:
         del params
         count = optax.safe_increment(state.count)
-        bc1, bc2 = rules.bias_correction(b1, count), rules.bias_correction(b2, count)
+        bc1, bc2 = _bias_correction(b1, count), _bias_correction(b2, count)
         grads, treedef = _flatten(updates)
-        mus, _ = _flatten(state.mu)
-        nus, _ = _flatten(state.nu)
+        exp_avgs, _ = _flatten(state.mu)
+        exp_avg_sqs, _ = _flatten(state.nu)
         new_updates: list[Any] = []
-        new_mus: list[Any] = []
-        new_nus: list[Any] = []
-        for g, m, v in zip(grads, mus, nus, strict=True):
+        new_exp_avgs: list[Any] = []
+        new_exp_avg_sqs: list[Any] = []
+        for g, exp_avg, exp_avg_sq in zip(grads, exp_avgs, exp_avg_sqs, strict=True):
             if g is None:
                 new_updates.append(None)
-                new_mus.append(m)
-                new_nus.append(v)
+                new_exp_avgs.append(exp_avg)
+                new_exp_avg_sqs.append(exp_avg_sq)
                 continue
-            m_next, v_next, update = rules.qhadam_update(
+            dtype = exp_avg_sq.dtype  # the parameters' real dtype
+            next_exp_avg, next_exp_avg_sq, update = rules.qhadam_update(
                 g,
-                m,
-                v,
-                beta1=_cast(b1, v.dtype),
-                beta2=_cast(b2, v.dtype),
-                nu1=_cast(nu1, v.dtype),
-                nu2=_cast(nu2, v.dtype),
-                eps=_cast(eps, v.dtype),
-                bias_correction1=bc1.astype(v.dtype),
-                bias_correction2=bc2.astype(v.dtype),
+                exp_avg,
+                exp_avg_sq,
+                beta1=_cast(b1, dtype),
+                beta2=_cast(b2, dtype),
+                nu1=_cast(nu1, dtype),
+                nu2=_cast(nu2, dtype),
+                eps=_cast(eps, dtype),
+                bias_correction1=bc1.astype(dtype),
+                bias_correction2=bc2.astype(dtype),
                 sqrt=jnp.sqrt,
                 square=_abs_sq,
             )
             new_updates.append(update.astype(g.dtype))
-            new_mus.append(m_next.astype(m.dtype))
-            new_nus.append(v_next.astype(v.dtype))
+            new_exp_avgs.append(next_exp_avg.astype(exp_avg.dtype))
+            new_exp_avg_sqs.append(next_exp_avg_sq.astype(dtype))
         return jax.tree.unflatten(treedef, new_updates), ScaleByQHAdamState(
             count=count,
-            mu=jax.tree.unflatten(treedef, new_mus),
-            nu=jax.tree.unflatten(treedef, new_nus),
+            mu=jax.tree.unflatten(treedef, new_exp_avgs),
+            nu=jax.tree.unflatten(treedef, new_exp_avg_sqs),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -333,8 +378,8 @@ def qhadam(
     .. math::
 
         \theta_t = \theta_{t-1} - \alpha \,
-            \frac{(1 - \nu_1) \nabla_t + \nu_1 \hat\mu_t}
-                 {\sqrt{(1 - \nu_2) |\nabla_t|^2 + \nu_2 \hat\nu_t} + \epsilon}
+            \frac{(1 - \nu_1) \nabla_t + \nu_1 \hat g_t}
+                 {\sqrt{(1 - \nu_2) |\nabla_t|^2 + \nu_2 \hat s_t} + \epsilon}
 
     with the bias-corrected moments of :func:`scale_by_qhadam`,
     :math:`\alpha` = ``learning_rate``. ``nu1 = nu2 = 1`` is ``optax.adam``.
@@ -433,4 +478,55 @@ def qhadamw(
         scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def from_params(
+    params: convert.QHMParams | convert.QHAdamParams, **kwargs: Any
+) -> optax.GradientTransformationExtraArgs:
+    """Build :func:`qhm` or :func:`qhadam` from a :mod:`qhoptim.convert` result.
+
+    A :class:`qhoptim.convert.QHMParams` gives :func:`qhm`, a
+    :class:`qhoptim.convert.QHAdamParams` gives :func:`qhadam`; keyword
+    arguments (``accumulator_dtype``, ``mu_dtype``) are passed on. This is
+    the optax counterpart of Keras's ``QHM.from_params`` /
+    ``QHAdam.from_params``.
+
+    Args:
+      params: the hyperparameters, e.g. ``convert.from_nesterov(lr, momentum)``.
+      **kwargs: further keyword arguments of :func:`qhm` or :func:`qhadam`.
+
+    Returns:
+      The corresponding :class:`optax.GradientTransformationExtraArgs`.
+
+    Raises:
+      TypeError: ``params`` is neither ``QHMParams`` nor ``QHAdamParams``.
+
+    Example:
+      ``optax.sgd(0.1, momentum=0.9, nesterov=True)`` is QHM with
+      ``learning_rate = 0.1 / (1 - 0.9)`` and ``nu = momentum``:
+
+      >>> import jax.numpy as jnp, optax
+      >>> import qhoptim.optax as qho
+      >>> from qhoptim import convert
+      >>> solver = qho.from_params(convert.from_nesterov(lr=0.1, momentum=0.9))
+      >>> sgd = optax.sgd(0.1, momentum=0.9, nesterov=True)
+      >>> params, grads = jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0])
+      >>> s1, s2 = solver.init(params), sgd.init(params)
+      >>> for _ in range(3):
+      ...     u1, s1 = solver.update(grads, s1, params)
+      ...     u2, s2 = sgd.update(grads, s2, params)
+      >>> print(", ".join(f"{x:.3f}" for x in u1), bool(jnp.allclose(u1, u2, rtol=1e-6)))
+      -0.172, 0.344 True
+    """
+    if isinstance(params, convert.QHMParams):
+        return qhm(learning_rate=params.lr, momentum=params.momentum, nu=params.nu, **kwargs)
+    if isinstance(params, convert.QHAdamParams):
+        (b1, b2), (nu1, nu2) = params.betas, params.nus
+        return qhadam(
+            learning_rate=params.lr, b1=b1, b2=b2, nu1=nu1, nu2=nu2, eps=params.eps, **kwargs
+        )
+    raise TypeError(
+        "from_params expects qhoptim.convert.QHMParams or qhoptim.convert.QHAdamParams; "
+        f"received {type(params).__name__}"
     )

@@ -1,11 +1,89 @@
 """qhoptim 1.1.0's import path: ``from qhoptim.pyt import QHM, QHAdam, QHAdamW``.
 
-The classes are those of :mod:`qhoptim.torch`, drop-in supersets of 1.1.0's
-(``QHAdamW`` is now a class; see ``docs/torch.md``, "Migrating from qhoptim 1.1.0").
+Drop-ins for qhoptim 1.1.0's classes, built on :mod:`qhoptim.torch`: 1.1.0's
+positional arguments, names and defaults -- QHM's ``weight_decay_type``,
+QHAdam's ``decouple_weight_decay`` (read without a warning here) and
+``QHAdamW``'s ``weight_decay=0`` -- with everything :mod:`qhoptim.torch` adds
+as keyword arguments. New code should use :mod:`qhoptim.torch` (see
+``docs/torch.md``, "Migrating from qhoptim 1.1.0").
 """
 
 from __future__ import annotations
 
-from qhoptim.torch import QHM, QHAdam, QHAdamW
+from typing import TYPE_CHECKING, Any
+
+# qhoptim.torch first: without torch it says which extra to install.
+from qhoptim import torch as _torch
+from qhoptim.torch._optimizer import required
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["QHM", "QHAdam", "QHAdamW"]
+
+
+class QHM(_torch.QHM):
+    """:class:`qhoptim.torch.QHM` with qhoptim 1.1.0's signature."""
+
+    _WARN_LEGACY = False
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = required,  # type: ignore[assignment]
+        momentum: float = 0.999,
+        nu: float = 0.7,
+        weight_decay: float = 0.0,
+        weight_decay_type: str = "grad",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            params, lr, momentum, nu, weight_decay, weight_decay_type=weight_decay_type, **kwargs
+        )
+
+
+class QHAdam(_torch.QHAdam):
+    """:class:`qhoptim.torch.QHAdam` with qhoptim 1.1.0's signature."""
+
+    _WARN_LEGACY = False
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        nus: tuple[float, float] = (1.0, 1.0),
+        weight_decay: float = 0.0,
+        decouple_weight_decay: bool = False,
+        eps: float = 1e-8,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            nus,
+            weight_decay,
+            eps=eps,
+            decouple_weight_decay=decouple_weight_decay,
+            **kwargs,
+        )
+
+
+class QHAdamW(_torch.QHAdamW):
+    """:class:`qhoptim.torch.QHAdamW` with qhoptim 1.1.0's default ``weight_decay=0``."""
+
+    _WARN_LEGACY = False
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        nus: tuple[float, float] = (1.0, 1.0),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr, betas, nus, weight_decay, eps, **kwargs)

@@ -42,10 +42,15 @@ Loshchilov & Hutter 2019) multiplies the parameter by
 
 from __future__ import annotations
 
+import enum
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = [
+    "MAX_DENOMINATOR_RATIO",
+    "Denominator",
+    "FoldedQHAdam",
     "QHAdamCoefficients",
     "QHMCoefficients",
     "apply_update",
@@ -53,7 +58,10 @@ __all__ = [
     "coupled_weight_decay",
     "decoupled_decay_factor",
     "ewma",
+    "fold_qhadam",
+    "folded_qhadam_step",
     "qhadam_coefficients",
+    "qhadam_denominator",
     "qhadam_update",
     "qhm_coefficients",
     "qhm_update",
@@ -94,13 +102,37 @@ def ewma(average: Array, value: Array, beta: Any) -> Array:
     return beta * average + (1 - beta) * value
 
 
-def bias_correction(beta: Any, step: Any) -> Any:
+def bias_correction(
+    beta: Any,
+    step: Any,
+    *,
+    expm1: Callable[[Any], Any] | None = None,
+    log: Callable[[Any], Any] = math.log,
+) -> Any:
     """``1 - beta**step``: the mass an EWMA started at zero has after ``step`` updates.
 
     ``step`` counts updates *including* the current one (1 on the first step).
     Works on Python numbers and on traced scalars (``beta ** step`` only).
+
+    The float32 policy: a backend that evaluates the bias correction in a
+    precision below float64 passes its element-wise ``expm1`` (and, for a traced
+    ``beta``, its ``log``), and the correction is computed as
+    ``-expm1(step * log(beta))``. ``1 - beta**step`` cancels catastrophically
+    near ``beta = 1`` -- in float32, ``1 - 0.99999**1`` is off by ~1e-2 relative
+    and ``1 - 0.9999999**1`` by ~20%, so Adam's first step is not ``lr`` --
+    while the ``expm1`` form keeps float32's relative precision (``log(beta)``
+    of a Python ``beta`` is taken in float64). Every float32 path (optax,
+    Keras, torch's on-device and compiled steps) uses this form; float64 paths
+    use ``1 - beta**step`` as written.
+
+    >>> bias_correction(0.9, 2)
+    0.18999999999999995
+    >>> round(bias_correction(0.9, 2, expm1=math.expm1), 15)
+    0.19
     """
-    return 1 - beta**step
+    if expm1 is None or (isinstance(beta, (int, float)) and beta == 0):
+        return 1 - beta**step
+    return -expm1(step * log(beta))
 
 
 def decoupled_decay_factor(lr: Any, weight_decay: Any) -> Any:
@@ -205,3 +237,144 @@ def qhadam_update(
     numerator = c.grad_weight * grad + c.exp_avg_weight * exp_avg
     denominator = sqrt(c.grad_sq_weight * grad_sq + c.exp_avg_sq_weight * exp_avg_sq) + eps
     return exp_avg, exp_avg_sq, numerator / denominator
+
+
+# ------------------------------------------------------------ folded QHAdam
+# The in-place kernels (torch's ``addcdiv_`` and ``_foreach_`` twins, fused
+# kernels) cannot form the numerator and the denominator as temporaries
+# cheaply; they take QHAdam's update in the *folded* form below, whose
+# coefficients are derived here, once, from :func:`qhadam_coefficients`.
+
+#: Largest ratio of the two denominator weights folded as ``s + ratio * g**2``:
+#: beyond it ``ratio * g**2`` could overflow for gradients whose square does not.
+MAX_DENOMINATOR_RATIO = 2.0**64
+
+
+class Denominator(enum.Enum):
+    """Which moments QHAdam's denominator reads (:func:`qhadam_denominator`).
+
+    ``d = sqrt(exp_avg_sq_weight * s + grad_sq_weight * |g|**2) + eps`` with
+    the weights of :class:`FoldedQHAdam`; a kernel skips the term a form lacks.
+    """
+
+    EXP_AVG_SQ = "exp_avg_sq"
+    """``nu2 = 1``: the second moment alone (Adam); the gradient's square is not read."""
+    GRAD = "grad"
+    """``nu2 = 0``: the gradient alone, ``|g|``; the second moment is not read."""
+    MIX = "mix"
+    """``0 < nu2 < 1``: both."""
+
+
+def qhadam_denominator(nu2: float) -> Denominator:
+    """The denominator form for ``nu2`` in ``[0, 1]``.
+
+    It depends on ``nu2`` alone, never on the step, so a kernel whose
+    coefficients live on a device (capturable, fused) picks it on the host.
+    """
+    if nu2 == 0:
+        return Denominator.GRAD
+    if nu2 == 1:
+        return Denominator.EXP_AVG_SQ
+    return Denominator.MIX
+
+
+class FoldedQHAdam(NamedTuple):
+    """QHAdam's update as in-place kernels apply it (:func:`fold_qhadam`).
+
+    ``param += exp_avg_value * exp_avg / d + grad_value * grad / d`` with
+    ``d = sqrt(exp_avg_sq_weight * exp_avg_sq + grad_sq_weight * |grad|**2) + eps``
+    (only the terms :attr:`denominator` names). The values already hold
+    ``-lr``. A weight that is the number 1 costs no multiplication, and a
+    value that is the number 0 lets a kernel skip its pass.
+    """
+
+    denominator: Denominator
+    exp_avg_sq_weight: Any
+    grad_sq_weight: Any
+    eps: Any
+    exp_avg_value: Any
+    grad_value: Any
+
+
+def fold_qhadam(
+    c: QHAdamCoefficients,
+    lr: Any,
+    eps: Any,
+    denominator: Denominator,
+    *,
+    factor_out: bool = True,
+    sqrt: Callable[[Any], Any] = math.sqrt,
+) -> FoldedQHAdam:
+    r"""QHAdam's weights ``c`` (:func:`qhadam_coefficients`), ``lr`` and ``eps`` for kernels.
+
+    The update of :func:`qhadam_update`, times ``-lr``,
+
+    .. math::
+
+        -\alpha \frac{w_g g + w_m m}{\sqrt{w_{g^2} g^2 + w_s s} + \epsilon}
+
+    is ``(exp_avg_value * m + grad_value * g) / d``. With ``factor_out``
+    (coefficients that are Python numbers) the common factor ``k = sqrt(w_s)``
+    is taken out of the square root, so that one denominator weight is 1 and
+    costs no pass: ``eps / k``, ``-lr * w / k``, and the other weight divided
+    by ``k**2``; ``k = sqrt(w_{g^2})`` instead when ``w_s`` is 0 or so small
+    next to ``w_{g^2}`` (``nu2`` near 0) that the ratio could overflow
+    (:data:`MAX_DENOMINATOR_RATIO`). Without it (coefficients that live on a
+    device, one per tensor, which would each cost a pass) the weights are
+    returned as they are. ``denominator`` comes from :func:`qhadam_denominator`;
+    ``sqrt`` is the backend's for device coefficients.
+    """
+    if not factor_out:
+        return FoldedQHAdam(
+            denominator,
+            c.exp_avg_sq_weight,
+            c.grad_sq_weight,
+            eps,
+            -lr * c.exp_avg_weight,
+            -lr * c.grad_weight,
+        )
+    if denominator is Denominator.EXP_AVG_SQ:
+        s_weight, g_weight, k = 1.0, 0.0, sqrt(c.exp_avg_sq_weight)
+    elif denominator is Denominator.GRAD:
+        s_weight, g_weight, k = 0.0, 1.0, sqrt(c.grad_sq_weight)
+    elif c.grad_sq_weight <= MAX_DENOMINATOR_RATIO * c.exp_avg_sq_weight:
+        s_weight, g_weight = 1.0, c.grad_sq_weight / c.exp_avg_sq_weight
+        k = sqrt(c.exp_avg_sq_weight)
+    else:
+        s_weight, g_weight = c.exp_avg_sq_weight / c.grad_sq_weight, 1.0
+        k = sqrt(c.grad_sq_weight)
+    return FoldedQHAdam(
+        denominator,
+        s_weight,
+        g_weight,
+        eps / k,
+        -lr * c.exp_avg_weight / k,
+        -lr * c.grad_weight / k,
+    )
+
+
+def folded_qhadam_step(
+    f: FoldedQHAdam,
+    grad: Array,
+    exp_avg: Array,
+    exp_avg_sq: Array,
+    *,
+    sqrt: Callable[[Array], Array],
+    square: Callable[[Array], Array] | None = None,
+) -> Array:
+    """The parameter change ``-lr * update`` of one QHAdam step in folded form.
+
+    ``exp_avg`` and ``exp_avg_sq`` are the moments *after* this step's EWMA.
+    The definition of what the in-place kernels compute; ``tests/test_rules.py``
+    checks it against :func:`qhadam_update`.
+    """
+    grad_sq = grad * grad if square is None else square(grad)
+    form = f.denominator
+    if form is Denominator.EXP_AVG_SQ:
+        base = f.exp_avg_sq_weight * exp_avg_sq
+    elif form is Denominator.GRAD:
+        base = f.grad_sq_weight * grad_sq
+    else:
+        base = f.exp_avg_sq_weight * exp_avg_sq + f.grad_sq_weight * grad_sq
+    d = sqrt(base) + f.eps
+    return f.exp_avg_value * exp_avg / d + f.grad_value * grad / d

@@ -103,3 +103,98 @@ def test_zero_gradient_without_decay_is_a_no_op() -> None:
         state = opt.init(theta)
         out, state = opt.step(theta, np.zeros(2), state)
         np.testing.assert_array_equal(out, theta)
+
+
+# ------------------------------------------------------------ folded QHAdam
+# (nu2, expected form): nu2 = 1 reads s alone, nu2 = 0 |g| alone, both in
+# between; near 0 the gradient's weight is factored out instead of the second
+# moment's (MAX_DENOMINATOR_RATIO), down to the smallest subnormal.
+FORMS = [
+    (1.0, rules.Denominator.EXP_AVG_SQ),
+    (0.0, rules.Denominator.GRAD),
+    (0.5, rules.Denominator.MIX),
+    (1e-12, rules.Denominator.MIX),
+    (1e-25, rules.Denominator.MIX),
+    (5e-324, rules.Denominator.MIX),
+]
+
+
+@pytest.mark.parametrize(("nu2", "form"), FORMS)
+def test_denominator_form_depends_on_nu2_alone(nu2: float, form: rules.Denominator) -> None:
+    assert rules.qhadam_denominator(nu2) is form
+
+
+@pytest.mark.parametrize(("nu2", "form"), FORMS)
+@pytest.mark.parametrize("eps", [1e-8, 0.0, 0.3])
+@pytest.mark.parametrize("nu1", [0.0, 0.7, 1.0, -0.3])
+@pytest.mark.parametrize("step", [1, 10, 1000])
+@pytest.mark.parametrize("factor_out", [True, False], ids=["host", "device"])
+def test_folded_step_equals_the_rule(
+    nu2: float, form: rules.Denominator, eps: float, nu1: float, step: int, factor_out: bool
+) -> None:
+    # The folded form the in-place kernels apply is -lr * qhadam_update's update.
+    b1, b2, lr = 0.9, 0.999, 0.01
+    grad = RNG.standard_normal(50)
+    exp_avg, exp_avg_sq = RNG.standard_normal(50), RNG.random(50)
+    bc1, bc2 = rules.bias_correction(b1, step), rules.bias_correction(b2, step)
+    new_exp_avg, new_exp_avg_sq, update = rules.qhadam_update(
+        grad, exp_avg, exp_avg_sq, beta1=b1, beta2=b2, nu1=nu1, nu2=nu2, eps=eps,
+        bias_correction1=bc1, bias_correction2=bc2, sqrt=np.sqrt,
+    )  # fmt: skip
+    c = rules.qhadam_coefficients(nu1, nu2, bc1, bc2)
+    f = rules.fold_qhadam(c, lr, eps, rules.qhadam_denominator(nu2), factor_out=factor_out)
+    assert f.denominator is form
+    got = rules.folded_qhadam_step(f, grad, new_exp_avg, new_exp_avg_sq, sqrt=np.sqrt)
+    # atol: where the numerator cancels (nu1 < 0), relative to the largest element
+    scale = np.abs(lr * update).max()
+    np.testing.assert_allclose(got, -lr * update, rtol=1e-13, atol=1e-13 * scale)
+    # A zero value lets a kernel skip its pass: nu1 = 1 reads no gradient,
+    # nu1 = 0 no first moment.
+    assert (f.grad_value == 0) == (nu1 == 1.0)
+    assert (f.exp_avg_value == 0) == (nu1 == 0.0)
+    if factor_out:  # one denominator weight is 1: no pass for it
+        assert 1.0 in (f.exp_avg_sq_weight, f.grad_sq_weight)
+        # ... and the other cannot overflow against the gradient's square
+        assert max(f.exp_avg_sq_weight, f.grad_sq_weight) <= rules.MAX_DENOMINATOR_RATIO
+
+
+def test_folded_step_of_a_complex_gradient_uses_the_squared_modulus() -> None:
+    grad = RNG.standard_normal(8) + 1j * RNG.standard_normal(8)
+    exp_avg = RNG.standard_normal(8) + 1j * RNG.standard_normal(8)
+    exp_avg_sq = RNG.random(8)
+    kw = {"beta1": 0.9, "beta2": 0.99, "nu1": 0.7, "nu2": 0.6, "eps": 1e-3}
+    bc1, bc2 = rules.bias_correction(0.9, 3), rules.bias_correction(0.99, 3)
+    square = lambda x: np.abs(x) ** 2  # noqa: E731
+    m, s, update = rules.qhadam_update(
+        grad, exp_avg, exp_avg_sq, bias_correction1=bc1, bias_correction2=bc2,
+        sqrt=np.sqrt, square=square, **kw,
+    )  # fmt: skip
+    c = rules.qhadam_coefficients(0.7, 0.6, bc1, bc2)
+    f = rules.fold_qhadam(c, 0.5, 1e-3, rules.qhadam_denominator(0.6))
+    got = rules.folded_qhadam_step(f, grad, m, s, sqrt=np.sqrt, square=square)
+    np.testing.assert_allclose(got, -0.5 * update, rtol=1e-13)
+
+
+# ------------------------------------------------- bias correction in float32
+@pytest.mark.parametrize("beta", [0.9, 0.999, 0.99999, 0.9999999])
+@pytest.mark.parametrize("step", [1, 2, 100, 10**6])
+def test_expm1_bias_correction_keeps_float32_precision(beta: float, step: int) -> None:
+    # The float32 policy: -expm1(t log beta) with log(beta) in float64 is within
+    # a few float32 ulps of the exact 1 - beta**t (math.fsum-free: float64 is
+    # exact enough here), where 1 - beta**t evaluated in float32 is not.
+    exact = -np.expm1(step * np.log(beta))
+    t = np.float32(step)
+    got = rules.bias_correction(beta, t, expm1=np.expm1)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, exact, rtol=4 * np.finfo(np.float32).eps)
+    naive = rules.bias_correction(np.float32(beta), t)
+    if beta >= 0.99999 and step == 1:  # the cancellation the policy exists for
+        assert abs(naive - exact) / exact > 1e-3
+
+
+def test_expm1_bias_correction_of_beta_zero_is_one() -> None:
+    # log(0) is -inf: beta = 0 is taken as 1 - 0**t, for numbers and traced arrays alike.
+    assert rules.bias_correction(0.0, np.float32(3), expm1=np.expm1) == 1.0
+    with np.errstate(divide="ignore"):
+        traced = rules.bias_correction(np.float32(0.0), np.float32(3), expm1=np.expm1, log=np.log)
+    assert traced == 1.0

@@ -33,6 +33,7 @@ REGISTRY: dict[str, str] = {
     "numpy": "conformance.adapters.numpy_rules:NumpyAdapter",
     "torch": "conformance.adapters.torch:TorchAdapter",
     "torch-foreach": "conformance.adapters.torch:TorchForeachAdapter",
+    "torch-fused": "conformance.adapters.torch:TorchFusedAdapter",
     "optax": "conformance.adapters.optax:OptaxAdapter",
     "keras": "conformance.adapters.keras:KerasAdapter",
 }

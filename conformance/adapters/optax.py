@@ -1,11 +1,15 @@
 """Adapter for ``qhoptim.optax``: the public aliases, jitted, closed loop.
 
 float64 runs need ``jax_enable_x64``; it is switched on when this adapter is
-loaded (the conformance process owns its JAX configuration).
+loaded (the conformance process owns its JAX configuration). float32 runs are
+traced with x64 *off*, as a float32 user runs JAX: the step count and the bias
+corrections are then float32 too (with x64 on they would silently be float64,
+and the float32 rows would not test the float32 path).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -42,6 +46,17 @@ def make_transformation(case: Case, learning_rate: Any) -> optax.GradientTransfo
     return optax.chain(optax.add_decayed_weights(wd), tx) if mode == "coupled" else tx
 
 
+def x64(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """A context in which ``jax_enable_x64`` is ``enabled``."""
+    if hasattr(jax, "enable_x64"):
+        context: contextlib.AbstractContextManager[Any] = jax.enable_x64(enabled)
+    else:  # older jax
+        from jax import experimental
+
+        context = experimental.enable_x64() if enabled else experimental.disable_x64()
+    return context
+
+
 class OptaxAdapter:
     name = "optax"
 
@@ -52,6 +67,10 @@ class OptaxAdapter:
         return dtype in ("float32", "float64")
 
     def run(self, case: Case, dtype: str) -> np.ndarray:
+        with x64(dtype == "float64"):
+            return self._run(case, dtype)
+
+    def _run(self, case: Case, dtype: str) -> np.ndarray:
         lrs = jnp.asarray(case.lrs, dtype=dtype)
         tx = make_transformation(case, lambda count: lrs[count])
         update = jax.jit(tx.update)

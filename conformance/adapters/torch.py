@@ -1,8 +1,9 @@
 """The torch adapters: :mod:`qhoptim.torch` driven through every case.
 
 ``TorchAdapter`` takes the per-tensor implementation (``foreach=False``),
-``TorchForeachAdapter`` the multi-tensor one (``foreach=True``); both run in
-float32 and float64. Each step writes the case's learning rate into the param
+``TorchForeachAdapter`` the multi-tensor one (``foreach=True``) and
+``TorchFusedAdapter`` the fused one (``fused=True``); all run in float32 and
+float64. Each step writes the case's learning rate into the param
 group (as an lr scheduler does), sets ``p.grad`` and calls ``optimizer.step()``.
 """
 
@@ -15,10 +16,10 @@ import numpy as np
 from ..cases import Case
 from . import closed_loop
 
-__all__ = ["TorchAdapter", "TorchForeachAdapter"]
+__all__ = ["TorchAdapter", "TorchForeachAdapter", "TorchFusedAdapter"]
 
 
-def _optimizer(case: Case, params: list[Any], foreach: bool) -> Any:
+def _optimizer(case: Case, params: list[Any], implementation: dict[str, bool]) -> Any:
     from qhoptim.torch import QHM, QHAdam, QHAdamW
 
     hp = case.hparams
@@ -31,8 +32,8 @@ def _optimizer(case: Case, params: list[Any], foreach: bool) -> Any:
             momentum=hp["momentum"],
             nu=hp["nu"],
             weight_decay=wd,
-            weight_decay_type="direct" if decoupled else "grad",
-            foreach=foreach,
+            decoupled_weight_decay=decoupled,
+            **implementation,
         )
     common = {
         "lr": hp["lr"],
@@ -40,16 +41,16 @@ def _optimizer(case: Case, params: list[Any], foreach: bool) -> Any:
         "nus": tuple(hp["nus"]),
         "eps": hp["eps"],
         "weight_decay": wd,
-        "foreach": foreach,
+        **implementation,
     }
     if case.optimizer == "qhadamw":
         return QHAdamW(params, **common)
-    return QHAdam(params, decouple_weight_decay=decoupled, **common)
+    return QHAdam(params, decoupled_weight_decay=decoupled, **common)
 
 
 class TorchAdapter:
     name = "torch"
-    foreach = False
+    implementation: dict[str, bool] = {"foreach": False}  # noqa: RUF012 (read only)
 
     def available(self) -> bool:
         try:
@@ -80,11 +81,16 @@ class TorchAdapter:
             case,
             to_backend=lambda a: torch.tensor(np.asarray(a), dtype=torch_dtype),
             to_numpy=lambda t: t.detach().numpy().astype(np.float64),
-            make=lambda params: _optimizer(case, params, self.foreach),
+            make=lambda params: _optimizer(case, params, self.implementation),
             step=step,
         )
 
 
 class TorchForeachAdapter(TorchAdapter):
     name = "torch-foreach"
-    foreach = True
+    implementation = {"foreach": True}  # noqa: RUF012
+
+
+class TorchFusedAdapter(TorchAdapter):
+    name = "torch-fused"
+    implementation = {"fused": True}  # noqa: RUF012

@@ -175,7 +175,7 @@ def trajectories(out: Path, runs_dir: Path) -> None:
 
     case = next(c for c in load_cases() if c.name == TRAJECTORY_CASE)
     ref = reference_trajectory(case)
-    order = {"numpy": 0, "torch": 1, "torch-foreach": 2, "optax": 3, "keras": 4}
+    order = {"numpy": 0, "torch": 1, "torch-foreach": 2, "torch-fused": 3, "optax": 4, "keras": 5}
     files = sorted(
         runs_dir.glob("trajectory-*.npz"),
         key=lambda f: order.get(f.stem.removeprefix("trajectory-"), 9),

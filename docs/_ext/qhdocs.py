@@ -10,10 +10,11 @@ At ``builder-inited`` it runs, in parallel subprocesses,
 * every example script under ``docs/examples`` whose requirements are installed,
 
 and in-process the recovery and errata tables (``conformance.recovery``), the
-analysis numbers (``qhoptim.analysis``) and the advisor's test cases
-(``advisor_cases.py``). Results land in ``docs/_generated`` (not versioned):
-Markdown fragments under ``inc/`` that pages ``{include}``, figures under
-``fig/``, example outputs under ``examples/``, ``static/advisor_cases.json``.
+analysis numbers (``qhoptim.analysis``) and the advisor's tables
+(``advisor_tables.py``: ``qhoptim.convert`` and ``qhoptim.analysis`` on common
+settings). Results land in ``docs/_generated`` (not versioned): Markdown
+fragments under ``inc/`` that pages ``{include}``, figures under ``fig/``,
+example outputs under ``examples/``. The site ships no JavaScript of its own.
 
 A failing conformance row, recovery case, example or figure script is reported
 as a Sphinx warning, so ``sphinx-build -W`` fails on it.
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 DOCS = Path(__file__).resolve().parents[1]
 ROOT = DOCS.parent
 GEN = DOCS / "_generated"
-INC, FIG, EXAMPLES_OUT, STATIC = GEN / "inc", GEN / "fig", GEN / "examples", GEN / "static"
+INC, FIG, EXAMPLES_OUT = GEN / "inc", GEN / "fig", GEN / "examples"
 EXAMPLES = DOCS / "examples"
 BENCHMARKS = DOCS / "benchmarks"
 JOB_TIMEOUT = 420  # seconds, per subprocess
@@ -73,6 +74,7 @@ FRAMEWORKS = {"torch", "keras", "optax", "jax"}
 ADAPTER_MODULES = {
     "torch": "qhoptim.torch",
     "torch-foreach": "qhoptim.torch",
+    "torch-fused": "qhoptim.torch",
     "optax": "qhoptim.optax",
     "keras": "qhoptim.keras",
 }
@@ -159,7 +161,7 @@ def _fmt(x: float) -> str:
 def generate(app: Sphinx) -> None:
     if app.builder.format != "html" and app.builder.name not in ("dummy", "linkcheck"):
         return
-    for d in (INC, FIG, EXAMPLES_OUT, STATIC):
+    for d in (INC, FIG, EXAMPLES_OUT):
         d.mkdir(parents=True, exist_ok=True)
     strict = bool(app.config.qhdocs_strict)
     py = sys.executable
@@ -168,7 +170,7 @@ def generate(app: Sphinx) -> None:
 
     # One conformance job per backend (they run in parallel; the slowest first).
     jobs: dict[str, list[str]] = {}
-    slow_first = {"optax": 0, "keras": 1, "torch": 2, "torch-foreach": 3}
+    slow_first = {"optax": 0, "keras": 1, "torch-fused": 2, "torch": 3, "torch-foreach": 4}
     for name in sorted(REGISTRY, key=lambda n: slow_first.get(n, 9)):
         (GEN / "runs" / f"conformance-{name}.json").unlink(missing_ok=True)
         (GEN / "runs" / f"trajectory-{name}.npz").unlink(missing_ok=True)
@@ -196,7 +198,7 @@ def generate(app: Sphinx) -> None:
         # In-process work while the subprocesses run.
         _recovery_tables()
         _analysis_numbers()
-        _advisor_cases()
+        _advisor_tables()
         results = [f.result() for f in pending]
         # The trajectory figure needs every backend's saved run.
         results.append(
@@ -335,21 +337,17 @@ def _analysis_numbers() -> None:
     _write(INC / "analysis-numbers.md", "\n".join(lines) + "\n")
 
 
-def _advisor_cases() -> None:
-    import advisor_cases
+def _advisor_tables() -> None:
+    import advisor_tables
 
-    payload = {
-        "generated_by": "docs/_ext/advisor_cases.py (qhoptim.convert, qhoptim.analysis)",
-        "cases": advisor_cases.table(),
-    }
-    _write(STATIC / "advisor_cases.json", json.dumps(payload, indent=1, allow_nan=False) + "\n")
+    _write(INC / "advisor.md", advisor_tables.markdown())
 
 
 def _conformance_tables(unavailable: dict[str, str]) -> None:
     rows = []
     for path in sorted((GEN / "runs").glob("conformance-*.json")):
         rows += json.loads(path.read_text())
-    order = {"numpy": 0, "torch": 1, "torch-foreach": 2, "optax": 3}
+    order = {"numpy": 0, "torch": 1, "torch-foreach": 2, "torch-fused": 3, "optax": 4}
     rows.sort(key=lambda r: order.get(r["backend"], 9))
     if not rows:
         _warn("the conformance suite produced no rows")
@@ -615,19 +613,11 @@ def clean_docstring(
         lines[i] = _INTRAWORD_EMPHASIS.sub(r"\1", line)
 
 
-def add_page_assets(app: Sphinx, pagename: str, *args: Any) -> None:
-    """The advisor's script, on the advisor page only."""
-    if pagename == "advisor":
-        app.add_js_file("advisor.js")
-
-
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_config_value("qhdocs_strict", False, "env")
     app.connect("builder-inited", generate)
     app.connect("build-finished", check_api_coverage)
-    app.connect("html-page-context", add_page_assets)
     app.connect("autodoc-process-docstring", clean_docstring)
-    STATIC.mkdir(parents=True, exist_ok=True)  # html_static_path is checked before builder-inited
     app.add_directive("qh-example", ExampleDirective)
     app.add_directive("qh-toctree", ConditionalTocTree)
     app.add_directive("qh-automodule", AutomoduleIfPresent)

@@ -135,7 +135,7 @@ BRANCH_CONFIGS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = 
     "QHM": (QHM, {"lr": 0.5, "weight_decay": 0.1}),
     "QHM-direct-maximize": (
         QHM,
-        {"lr": 0.5, "weight_decay": 0.1, "weight_decay_type": "direct", "maximize": True},
+        {"lr": 0.5, "weight_decay": 0.1, "decoupled_weight_decay": True, "maximize": True},
     ),
     "QHM-capturable": (QHM, {"lr": 0.5, "capturable": True}),
     "QHAdam": (QHAdam, {"lr": 1e-2, "nus": (0.7, 0.8), "weight_decay": 0.1}),
@@ -144,7 +144,7 @@ BRANCH_CONFIGS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = 
         {
             "lr": 1e-2,
             "nus": (0.7, 0.0),
-            "decouple_weight_decay": True,
+            "decoupled_weight_decay": True,
             "weight_decay": 0.1,
             "maximize": True,
         },
@@ -269,7 +269,10 @@ def _fsdp(rank: int, world_size: int, outdir: Path) -> dict[str, Any]:
             model = _fully_shard(make_model())
             opt = cls(model.parameters(), **kwargs, foreach=foreach)
             # Count the steps the multi-tensor implementation took.
-            with mock.patch.object(qht, multi_tensor, wraps=getattr(qht, multi_tensor)) as spy:
+            module = getattr(qht, f"_{name.lower()}")
+            with mock.patch.object(
+                module, multi_tensor, wraps=getattr(module, multi_tensor)
+            ) as spy:
                 trajectory = train(model, opt, range(STEPS), rank, world_size)
             out[f"{name}-foreach={foreach}"] = {
                 "trajectory": trajectory,
@@ -339,7 +342,7 @@ def _dtensor(rank: int, world_size: int, outdir: Path) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
-    with mock.patch.object(qht, "_CPU_CHUNK_NUMEL", BRANCH_CHUNK_NUMEL):
+    with mock.patch.object(qht._kernels, "CPU_CHUNK_NUMEL", BRANCH_CHUNK_NUMEL):
         for placement in (Shard(0), Replicate()):
             for case, cls, kwargs in branch_cases():
                 out[f"{case}-{placement}"] = branch_run(

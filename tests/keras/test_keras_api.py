@@ -62,7 +62,7 @@ def test_defaults() -> None:
     expected = (0.001, 0.9, 0.999, 1.0, 1.0, 1e-8, None)
     keys = ("learning_rate", "beta_1", "beta_2", "nu_1", "nu_2", "epsilon", "weight_decay")
     assert tuple(c[k] for k in keys) == pytest.approx(expected)
-    assert qk.QHAdamW().get_config()["weight_decay"] == 0.01
+    assert qk.QHAdamW().get_config()["weight_decay"] == 0.004  # Keras's AdamW default
 
 
 # ------------------------------------------------------------------ configuration

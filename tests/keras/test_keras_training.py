@@ -164,9 +164,12 @@ def test_learning_rate_schedule_steps_with_the_iterations() -> None:
 @only_backend("tensorflow")
 def test_tf_jit_compile_switch_gives_the_same_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
     make = PAIRS["qhadam"][0]
-    compiled = apply_steps(make(weight_decay=0.01), X0, quadratic_grad, 10)
+    xla_opt, plain_opt = make(weight_decay=0.01), make(weight_decay=0.01)
+    compiled = apply_steps(xla_opt, X0, quadratic_grad, 10)
+    # Set on the package, read by qhoptim.keras._tensorflow at every step.
     monkeypatch.setattr(qk, "TF_JIT_COMPILE", False)
-    plain = apply_steps(make(weight_decay=0.01), X0, quadratic_grad, 10)
+    plain = apply_steps(plain_opt, X0, quadratic_grad, 10)
+    assert xla_opt.__dict__.get("_xla_steps") and not plain_opt.__dict__.get("_xla_steps")
     _assert_close(compiled, plain)
 
 
@@ -192,29 +195,35 @@ def _apply_mixed(opt: keras.optimizers.Optimizer, steps: int) -> list[np.ndarray
     return [np.asarray(ops.convert_to_numpy(v), np.float64) for v in variables]
 
 
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patch the torch kernel layer's whole-list kernels to record how many tensors each took."""
+    from qhoptim.torch import _kernels
+
+    calls: list[int] = []
+    for kernel in ("foreach_qhm", "foreach_qhadam"):
+        original = getattr(_kernels, kernel)
+        monkeypatch.setattr(
+            _kernels, kernel, lambda *a, _f=original, **kw: calls.append(len(a[0])) or _f(*a, **kw)
+        )
+    return calls
+
+
 @only_backend("torch")
 @pytest.mark.parametrize("name", ["qhm", "qhadam", "qhadamw"])
 def test_torch_multi_tensor_step_equals_per_variable_step(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # On the torch backend all variables step at once through qhoptim.torch's
-    # multi-tensor kernels; Keras's generic path (one ``update_step`` per
-    # variable, the code the other backends run) must give the same numbers.
+    # kernel layer; Keras's generic path (one ``update_step`` per variable, the
+    # code the other backends run) must give the same numbers.
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    from qhoptim import torch as qh_torch
-
     make = {"qhm": PAIRS["qhm"][0], "qhadam": PAIRS["qhadam"][0], "qhadamw": qk.QHAdamW}[name]
-    calls: list[int] = []
-    for kernel in ("qhm", "_foreach_qhadam_group"):
-        original = getattr(qh_torch, kernel)
-        monkeypatch.setattr(
-            qh_torch, kernel, lambda *a, _f=original, **kw: calls.append(len(a[0])) or _f(*a, **kw)
-        )
+    calls = _count_kernel_calls(monkeypatch)
     fast = _apply_mixed(make(weight_decay=0.1), 12)
-    # Per step: the decayed float64 kernel + float32 kernel, and the bias;
-    # QHAdam's kernels run once per dtype, QHM's group by dtype inside.
-    assert calls and sum(calls) == 3 * 12, calls
+    # Per step: one call for the decayed kernels (float64 and float32: the
+    # kernels group by dtype themselves) and one for the excluded bias.
+    assert calls == [2, 1] * 12, calls
     calls.clear()
     monkeypatch.setattr(qk._QHOptimizer, "_backend_update_step", BaseOptimizer._backend_update_step)
     generic = _apply_mixed(make(weight_decay=0.1), 12)
@@ -224,14 +233,17 @@ def test_torch_multi_tensor_step_equals_per_variable_step(
 
 
 @only_backend("torch")
-def test_torch_tensor_hyperparameters_take_the_generic_path() -> None:
+def test_torch_tensor_hyperparameters_take_the_generic_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import torch
 
     got = apply_steps(PAIRS["qhm"][0](), X0, quadratic_grad, 6)
+    calls = _count_kernel_calls(monkeypatch)
     opt = PAIRS["qhm"][0]()
     opt.momentum = torch.tensor(0.9, dtype=torch.float64)  # no Python float: per-variable path
-    assert opt._torch_hparams() is None
     _assert_close(apply_steps(opt, X0, quadratic_grad, 6), got)
+    assert not calls
 
 
 @only_backend("jax")

@@ -10,6 +10,7 @@ import pytest
 
 import qhoptim.optax as qho
 from conformance import runner
+from qhoptim import convert
 from qhoptim.reference import QHM, QHAdam
 
 F = lambda x: jnp.sum((x - 0.5) ** 2 * jnp.arange(1, x.size + 1, dtype=x.dtype))  # noqa: E731
@@ -59,6 +60,79 @@ def test_qhm_recovers_optax_sgd_momentum_and_nesterov(nesterov: bool) -> None:
     a, _ = _run(qho.qhm(lr / (1 - beta), beta, beta if nesterov else 1.0), x, steps=30)
     b, _ = _run(optax.sgd(lr, momentum=beta, nesterov=nesterov), x, steps=30)
     np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+# ------------------------------------------------------------- from_params (conversions)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_from_params_of_a_conversion_is_optax_sgd(nesterov: bool) -> None:
+    lr, beta = 0.01, 0.9
+    params = (convert.from_nesterov if nesterov else convert.from_momentum)(lr, beta)
+    x = jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float64)
+    a, _ = _run(qho.from_params(params), x, steps=30)
+    b, _ = _run(optax.sgd(lr, momentum=beta, nesterov=nesterov), x, steps=30)
+    np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_from_params_of_from_adam_is_optax_adam() -> None:
+    x = jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float64)
+    a, _ = _run(qho.from_params(convert.from_adam(0.05, (0.9, 0.99), 1e-8)), x, steps=20)
+    b, _ = _run(optax.adam(0.05, 0.9, 0.99, 1e-8), x, steps=20)
+    np.testing.assert_allclose(a, b, rtol=1e-13)
+
+
+@pytest.mark.parametrize(
+    ("params", "direct"),
+    [
+        (convert.QHMParams(lr=0.3, nu=0.7, momentum=0.95), lambda: qho.qhm(0.3, 0.95, 0.7)),
+        (
+            convert.QHAdamParams(lr=0.02, betas=(0.8, 0.9), nus=(0.6, 0.7), eps=1e-6),
+            lambda: qho.qhadam(0.02, 0.8, 0.9, 0.6, 0.7, 1e-6),
+        ),
+    ],
+    ids=["QHMParams", "QHAdamParams"],
+)
+def test_from_params_maps_every_field(params, direct) -> None:
+    x = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float64)
+    a, state_a = _run(qho.from_params(params), x)
+    b, state_b = _run(direct(), x)
+    np.testing.assert_array_equal(a, b)
+    assert jax.tree.structure(state_a) == jax.tree.structure(state_b)
+
+
+def test_from_params_passes_keyword_arguments() -> None:
+    x = jnp.ones(3, jnp.bfloat16)
+    qhm = qho.from_params(convert.from_sgd(0.1), accumulator_dtype=jnp.float32)
+    assert qhm.init(x)[0].momentum_buffer.dtype == jnp.float32
+    qhadam = qho.from_params(convert.from_adam(1e-3, (0.9, 0.999), 1e-8), mu_dtype=jnp.float32)
+    assert qhadam.init(x)[0].mu.dtype == jnp.float32
+    with pytest.raises(TypeError, match="mu_dtype"):
+        qho.from_params(convert.from_sgd(0.1), mu_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        (0.1, 0.7, 0.9),  # a plain tuple with QHMParams' fields
+        {"lr": 0.1, "nu": 0.7, "momentum": 0.9},
+        convert.TwoStateInitialBuffer(1.0, 0.0),
+        None,
+    ],
+    ids=["tuple", "dict", "TwoStateInitialBuffer", "None"],
+)
+def test_from_params_rejects_other_types(params) -> None:
+    with pytest.raises(TypeError) as info:
+        qho.from_params(params)
+    message = str(info.value)
+    assert message.startswith(
+        "from_params expects qhoptim.convert.QHMParams or qhoptim.convert.QHAdamParams; received "
+    )
+    assert message.endswith(type(params).__name__)
+
+
+def test_from_params_is_exported() -> None:
+    assert "from_params" in qho.__all__
 
 
 # -------------------------------------------------------------------- optax idioms

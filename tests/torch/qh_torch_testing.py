@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -24,14 +25,18 @@ def reference_optimizer(cls: type, kwargs: dict[str, Any]) -> Any:
         kw.pop(flag, None)
     if isinstance(kw.get("lr"), torch.Tensor):
         kw["lr"] = float(kw["lr"])
-    if cls is QHM:
-        decoupled = kw.pop("weight_decay_type", "grad") == "direct"
-        return reference.QHM(decoupled_weight_decay=decoupled, **kw)
-    if cls is QHAdamW:
-        return reference.QHAdamW(**{"weight_decay": 1e-2, **kw})
-    assert cls is QHAdam
-    decoupled = kw.pop("decouple_weight_decay", False)
-    return reference.QHAdam(decoupled_weight_decay=decoupled, **kw)
+    # qhoptim 1.1.0's spellings (qhoptim.pyt's signatures)
+    if "weight_decay_type" in kw:
+        kw["decoupled_weight_decay"] = kw.pop("weight_decay_type") == "direct"
+    if "decouple_weight_decay" in kw:
+        kw["decoupled_weight_decay"] = kw.pop("decouple_weight_decay")
+    if issubclass(cls, QHM):
+        return reference.QHM(**kw)
+    if issubclass(cls, QHAdamW):
+        default = inspect.signature(cls).parameters["weight_decay"].default
+        return reference.QHAdamW(**{"weight_decay": default, **kw})
+    assert issubclass(cls, QHAdam)
+    return reference.QHAdam(**kw)
 
 
 def reference_trajectory(

@@ -29,19 +29,79 @@ def test_classes_are_torch_optimizers(cls: type) -> None:
         assert fragment in (cls.__doc__ or "")
 
 
-def test_pyt_alias_keeps_the_1_1_0_import_path() -> None:
-    from qhoptim.pyt import QHM as PytQHM
-    from qhoptim.pyt import QHAdam as PytQHAdam
-    from qhoptim.pyt import QHAdamW as PytQHAdamW
+def test_pyt_keeps_the_1_1_0_import_path_names_and_defaults() -> None:
+    from qhoptim import pyt
 
-    assert (PytQHM, PytQHAdam, PytQHAdamW) == (QHM, QHAdam, QHAdamW)
+    # qhoptim.pyt's classes are qhoptim.torch's, with 1.1.0's signatures.
+    for name in ("QHM", "QHAdam", "QHAdamW"):
+        assert issubclass(getattr(pyt, name), getattr(qht, name))
+        assert getattr(pyt, name).__name__ == name
+    # 1.1.0's spellings are read silently (warnings are errors in this suite).
+    qhm = pyt.QHM(_params(), 1.0, 0.9, 0.7, 0.1, "direct")
+    assert qhm.defaults["decoupled_weight_decay"] is True
+    qhadam = pyt.QHAdam(_params(), 1e-3, (0.9, 0.999), (0.7, 1.0), 0.1, True)
+    assert qhadam.defaults["decoupled_weight_decay"] is True
+    assert (
+        pyt.QHAdam(_params(), decouple_weight_decay=False).defaults["decoupled_weight_decay"]
+        is False
+    )
+    # 1.1.0's QHAdamW did not decay unless asked to.
+    qhadamw = pyt.QHAdamW(_params())
+    assert qhadamw.defaults["weight_decay"] == 0.0
+    assert qhadamw.defaults["decoupled_weight_decay"] is True
 
 
 def test_qhadamw_is_a_class_with_decoupled_decay() -> None:
     opt = QHAdamW(_params())
     assert isinstance(opt, QHAdam)
-    assert opt.defaults["decouple_weight_decay"] is True
+    assert opt.defaults["decoupled_weight_decay"] is True
     assert opt.defaults["weight_decay"] == 1e-2  # torch's AdamW default
+
+
+@pytest.mark.parametrize(
+    ("cls", "legacy", "decoupled"),
+    [
+        (QHM, {"weight_decay_type": "direct"}, True),
+        (QHM, {"weight_decay_type": "grad"}, False),
+        (QHAdam, {"decouple_weight_decay": True}, True),
+    ],
+)
+def test_legacy_weight_decay_names_warn_and_still_work(
+    cls: type, legacy: dict[str, object], decoupled: bool
+) -> None:
+    with pytest.warns(DeprecationWarning, match="use decoupled_weight_decay="):
+        opt = cls(_params(), lr=0.1, weight_decay=0.1, **legacy)
+    assert opt.defaults["decoupled_weight_decay"] is decoupled
+    assert next(iter(legacy)) not in opt.defaults
+    with pytest.warns(DeprecationWarning):
+        opt.add_param_group({"params": _params(), **legacy})
+    assert opt.param_groups[1]["decoupled_weight_decay"] is decoupled
+
+
+def test_decoupled_weight_decay_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="decoupled_weight_decay must be a bool"):
+        QHAdam(_params(), decoupled_weight_decay=1)
+
+
+@pytest.mark.parametrize(
+    ("cls", "converted"),
+    [
+        (QHM, convert.from_nesterov(0.1, 0.9)),
+        (QHAdam, convert.from_nadam(1e-3, (0.9, 0.999), 1e-8)),
+    ],
+)
+def test_from_params_builds_from_a_conversion(cls: type, converted: object) -> None:
+    opt = cls.from_params(_params(), converted, weight_decay=0.1)
+    for key, value in converted.as_kwargs().items():  # type: ignore[attr-defined]
+        assert opt.defaults[key] == value
+    assert opt.defaults["weight_decay"] == 0.1
+    wrong = (
+        convert.from_adam(1e-3, (0.9, 0.999), 1e-8)
+        if cls is QHM
+        else convert.from_momentum(0.1, 0.9)
+    )
+    with pytest.raises(TypeError, match=r"from_params expects qhoptim\.convert"):
+        cls.from_params(_params(), wrong)
 
 
 # ---------------------------------------------------------------- signatures
@@ -57,8 +117,28 @@ def _keyword_only(cls: type) -> list[str]:
 
 
 def test_signatures_extend_qhoptim_1_1_0() -> None:
-    # qhoptim 1.1.0's positional arguments, names and order (qhoptim/pyt/*.py).
+    from qhoptim import pyt
+
+    # qhoptim 1.1.0's positional arguments, names and order (qhoptim/pyt/*.py),
+    # kept by qhoptim.pyt; qhoptim.torch spells decoupled decay one way.
     assert _positional(QHM) == [
+        "params",
+        "lr",
+        "momentum",
+        "nu",
+        "weight_decay",
+        "decoupled_weight_decay",
+    ]
+    assert _positional(QHAdam) == [
+        "params",
+        "lr",
+        "betas",
+        "nus",
+        "weight_decay",
+        "decoupled_weight_decay",
+        "eps",
+    ]
+    assert _positional(pyt.QHM) == [
         "params",
         "lr",
         "momentum",
@@ -66,7 +146,7 @@ def test_signatures_extend_qhoptim_1_1_0() -> None:
         "weight_decay",
         "weight_decay_type",
     ]
-    assert _positional(QHAdam) == [
+    assert _positional(pyt.QHAdam) == [
         "params",
         "lr",
         "betas",
@@ -75,10 +155,17 @@ def test_signatures_extend_qhoptim_1_1_0() -> None:
         "decouple_weight_decay",
         "eps",
     ]
-    # QHAdamW(params, *args) forwarded to QHAdam with decouple_weight_decay=True.
+    # QHAdamW(params, *args) forwarded to QHAdam with decoupled_weight_decay=True.
     assert _positional(QHAdamW) == ["params", "lr", "betas", "nus", "weight_decay", "eps"]
+    assert _positional(pyt.QHAdamW) == _positional(QHAdamW)
     for cls in (QHM, QHAdam, QHAdamW):
-        assert _keyword_only(cls) == ["maximize", "foreach", "capturable", "differentiable"]
+        assert _keyword_only(cls) == [
+            "maximize",
+            "foreach",
+            "capturable",
+            "differentiable",
+            "fused",
+        ]
 
 
 def test_defaults() -> None:
@@ -86,7 +173,7 @@ def test_defaults() -> None:
     # lr stays required, as in 1.1.0 (unless every param group sets its own).
     qhm = QHM(_params(), lr=1.0)
     assert qhm.defaults["momentum"] == 0.999 and qhm.defaults["nu"] == 0.7
-    assert qhm.defaults["weight_decay"] == 0.0 and qhm.defaults["weight_decay_type"] == "grad"
+    assert qhm.defaults["weight_decay"] == 0.0 and qhm.defaults["decoupled_weight_decay"] is False
     with pytest.raises(ValueError, match="required optimization parameter lr"):
         QHM(_params())
     per_group = QHM([{"params": _params(), "lr": 0.5}])
@@ -95,7 +182,7 @@ def test_defaults() -> None:
     qhadam = QHAdam(_params())
     assert qhadam.defaults["lr"] == 1e-3 and qhadam.defaults["betas"] == (0.9, 0.999)
     assert qhadam.defaults["nus"] == (1.0, 1.0) and qhadam.defaults["eps"] == 1e-8
-    assert qhadam.defaults["decouple_weight_decay"] is False
+    assert qhadam.defaults["decoupled_weight_decay"] is False
     for opt in (qhm, qhadam):
         flags = {
             k: opt.defaults[k] for k in ("maximize", "foreach", "capturable", "differentiable")
@@ -109,13 +196,20 @@ def test_defaults() -> None:
 
 
 def test_1_1_0_style_calls_still_work() -> None:
+    from qhoptim import pyt
+
     params = _params()
-    QHM(params, 1.0, 0.999, 0.7, 1e-4, "direct")
-    QHM(params, nu=0.7, momentum=0.999, lr=1.0)
+    assert pyt.QHM(params, 1.0, 0.999, 0.7, 1e-4, "direct").defaults["decoupled_weight_decay"]
+    pyt.QHM(params, nu=0.7, momentum=0.999, lr=1.0)
+    pyt.QHAdam(params, 3e-4, (0.99, 0.999), (0.8, 1.0), 1e-4, True, 1e-8)
+    pyt.QHAdamW(params, 3e-4, (0.99, 0.999), (0.8, 1.0), 1e-4, eps=1e-6)
+    pyt.QHAdam(params, weight_decay=1e-4, **pyt.QHAdam.from_nadam(lr=1e-3, betas=(0.9, 0.999)))
+    pyt.QHM(params, weight_decay=1e-4, **pyt.QHM.from_pid(k_p=-0.1, k_i=1.0, k_d=3.0))
+    # qhoptim.torch reads 1.1.0's positional weight_decay_type too, with a warning.
+    with pytest.warns(DeprecationWarning, match="weight_decay_type='direct' is deprecated"):
+        qhm = QHM(params, 1.0, 0.999, 0.7, 1e-4, "direct")
+    assert qhm.defaults["decoupled_weight_decay"] is True
     QHAdam(params, 3e-4, (0.99, 0.999), (0.8, 1.0), 1e-4, True, 1e-8)
-    QHAdamW(params, 3e-4, (0.99, 0.999), (0.8, 1.0), 1e-4, eps=1e-6)
-    QHAdam(params, weight_decay=1e-4, **QHAdam.from_nadam(lr=1e-3, betas=(0.9, 0.999)))
-    QHM(params, weight_decay=1e-4, **QHM.from_pid(k_p=-0.1, k_i=1.0, k_d=3.0))
 
 
 # -------------------------------------------------------------------- errors
@@ -273,7 +367,8 @@ def test_default_implementation(cls, multi) -> None:
     for p in params:
         p.grad = torch.ones_like(p)
     # CPU: foreach, chosen by measurement (benchmarks/torch_step.py).
-    with mock.patch.object(qht, multi) as patched:
+    module = qht._qhm if cls is QHM else qht._qhadam
+    with mock.patch.object(module, multi) as patched:
         cls(params, lr=0.1).step()
     patched.assert_called_once()
     # foreach=False and differentiable=True keep the per-tensor loop.
@@ -281,6 +376,6 @@ def test_default_implementation(cls, multi) -> None:
     for p, q in zip(plain, params, strict=True):
         p.grad = q.grad
     for kwargs in ({"foreach": False}, {"differentiable": True}):
-        with mock.patch.object(qht, multi) as patched:
+        with mock.patch.object(module, multi) as patched:
             cls(plain, lr=0.1, **kwargs).step()
         patched.assert_not_called()

@@ -25,12 +25,12 @@ F64 = torch.float64
 CONFIGS: list[tuple[type, dict[str, Any]]] = [
     (QHM, {"lr": 0.5}),
     (QHM, {"lr": 0.5, "momentum": 0.9, "nu": 1.3, "weight_decay": 0.1}),
-    (QHM, {"lr": 0.5, "nu": 0.0, "weight_decay": 0.1, "weight_decay_type": "direct"}),
+    (QHM, {"lr": 0.5, "nu": 0.0, "weight_decay": 0.1, "decoupled_weight_decay": True}),
     (QHM, {"lr": 0.5, "momentum": 0.0, "nu": 1.0, "maximize": True, "weight_decay": 0.1}),
     (QHAdam, {"lr": 0.01}),
     (QHAdam, {"lr": 0.01, "betas": (0.995, 0.999), "nus": (0.7, 1.0)}),
     (QHAdam, {"lr": 0.01, "nus": (0.8, 0.6), "weight_decay": 0.1}),
-    (QHAdam, {"lr": 0.01, "nus": (-0.2, 0.0), "eps": 1e-3, "decouple_weight_decay": True}),
+    (QHAdam, {"lr": 0.01, "nus": (-0.2, 0.0), "eps": 1e-3, "decoupled_weight_decay": True}),
     (QHAdam, {"lr": 0.01, "betas": (0.0, 0.9), "nus": (0.0, 0.5), "maximize": True}),
     (QHAdamW, {"lr": 0.01, "nus": (0.7, 0.9)}),
     (QHAdamW, {"lr": 0.01, "maximize": True, "weight_decay": 0.1}),
@@ -64,7 +64,7 @@ def test_foreach_matches_forloop(
     cls: type, kwargs: dict[str, Any], chunk: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if chunk is not None:  # the CPU multi-tensor path works in chunks of whole tensors
-        monkeypatch.setattr(qht, "_CPU_CHUNK_NUMEL", chunk)
+        monkeypatch.setattr(qht._kernels, "CPU_CHUNK_NUMEL", chunk)
     runs = {}
     for foreach in (False, True):
         params = _model_params()
@@ -242,10 +242,8 @@ def test_capturable_foreach_takes_the_on_device_kernels(cls: type) -> None:
     for p in params:
         p.grad = torch.ones_like(p)
     with (
-        mock.patch.object(
-            qht, "_foreach_qhadam_group_on_device", wraps=qht._foreach_qhadam_group_on_device
-        ) as spy,
-        mock.patch.object(qht, "_single_tensor_qhadam") as loop,
+        mock.patch.object(qht._kernels, "_device_fold", wraps=qht._kernels._device_fold) as spy,
+        mock.patch.object(qht._qhadam, "_single_tensor_qhadam") as loop,
     ):
         opt.step()
     spy.assert_called_once()

@@ -9,7 +9,7 @@ from conformance.adapters import load_adapter
 from conformance.cases import load_cases
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch-foreach"])
+@pytest.mark.parametrize("backend", ["torch", "torch-foreach", "torch-fused"])
 def test_every_conformance_row_passes(backend: str) -> None:
     assert load_adapter(backend).available()
     rows = runner.run([backend])

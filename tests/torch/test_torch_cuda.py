@@ -48,7 +48,7 @@ def test_default_is_foreach_on_cuda(cls: type, kwargs: dict[str, Any]) -> None:
     for p in params:
         p.grad = torch.ones_like(p)
     name = "_multi_tensor_qhm" if cls is QHM else "_multi_tensor_qhadam"
-    with mock.patch.object(qht, name) as patched:
+    with mock.patch.object(qht._qhm if cls is QHM else qht._qhadam, name) as patched:
         cls(params, **kwargs).step()
     patched.assert_called_once()
 

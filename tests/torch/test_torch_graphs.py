@@ -35,7 +35,7 @@ def _step_fn(cls: type, kwargs: dict[str, Any], state_keys: tuple[str, ...]) -> 
     ("cls", "kwargs"),
     [
         (QHM, {"momentum": 0.9, "nu": 0.7, "weight_decay": 0.1}),
-        (QHM, {"nu": 1.2, "weight_decay": 0.1, "weight_decay_type": "direct", "maximize": True}),
+        (QHM, {"nu": 1.2, "weight_decay": 0.1, "decoupled_weight_decay": True, "maximize": True}),
         (QHAdam, {"nus": (0.7, 0.8), "weight_decay": 0.1}),
         (QHAdamW, {"nus": (0.7, 1.0), "maximize": True}),
     ],

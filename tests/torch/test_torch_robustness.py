@@ -228,3 +228,33 @@ def test_a_tiny_nu2_follows_the_reference(nu2: float, dtype: torch.dtype, foreac
     want = reference_trajectory(QHAdam, kwargs, [x0], grads)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g[0], w[0], rtol=1e-12)
+
+
+# ------------------------------------------------ bias correction near beta = 1
+@pytest.mark.parametrize("beta1", [0.99999, 0.9999999])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"foreach": False},
+        {"foreach": True},
+        {"foreach": False, "capturable": True},
+        {"foreach": True, "capturable": True},
+        {"foreach": False, "differentiable": True},
+    ],
+    ids=["loop", "foreach", "loop-capturable", "foreach-capturable", "differentiable"],
+)
+def test_adam_first_step_is_lr_times_the_sign_in_float32(
+    beta1: float, flags: dict[str, bool]
+) -> None:
+    # With nus = (1, 1) and eps = 0 QHAdam is Adam, whose first step is exactly
+    # -lr * sign(grad). Every path computes float32 bias corrections in the
+    # expm1 form (qhoptim.rules.bias_correction), so 1 - beta1 ** 1 does not
+    # cancel: the step is -1 to float32 rounding, not -0.84 (as 1 - beta1**t
+    # evaluated in float32 gives at beta1 = 0.9999999).
+    grad = torch.tensor([0.5, -3.0, 1e-3, 7.0])
+    param = torch.zeros(4, requires_grad=not flags.get("differentiable", False))
+    param.grad = grad
+    opt = QHAdam([param], lr=1.0, betas=(beta1, 0.999), eps=0.0, **flags)
+    with torch.no_grad():
+        opt.step()
+    torch.testing.assert_close(param.detach(), -torch.sign(grad), rtol=1e-6, atol=0)

@@ -18,7 +18,7 @@ from qh_torch_testing import (
     run_torch,
 )
 
-from qhoptim import rules
+from qhoptim import pyt, rules
 from qhoptim.torch import QHM, QHAdam, QHAdamW
 
 F64 = torch.float64
@@ -26,7 +26,7 @@ FLAGS = ("maximize", "foreach", "capturable", "differentiable")
 
 CONFIGS: list[tuple[type, dict[str, Any]]] = [
     (QHM, {"lr": 0.5, "weight_decay": 0.1}),
-    (QHM, {"lr": 0.5, "nu": 1.2, "weight_decay": 0.1, "weight_decay_type": "direct"}),
+    (QHM, {"lr": 0.5, "nu": 1.2, "weight_decay": 0.1, "decoupled_weight_decay": True}),
     (QHAdam, {"lr": 0.01, "nus": (0.7, 0.8), "weight_decay": 0.1}),
     (QHAdamW, {"lr": 0.01, "nus": (0.7, 1.0), "betas": (0.995, 0.999)}),
 ]
@@ -178,15 +178,20 @@ def _run_110(opt: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor
         return run_torch(opt, params, grads)
 
 
-DIRECT = {"weight_decay": 0.1, "weight_decay_type": "direct"}
+DIRECT = {"weight_decay": 0.1, "weight_decay_type": "direct"}  # 1.1.0's spelling
+# qhoptim 1.1.0's classes against qhoptim.pyt's (1.1.0's signatures) and,
+# through the checkpoint, qhoptim.torch's.
 CHECKPOINTS_110 = [
+    ("QHM", pyt.QHM, {"lr": 0.5, "momentum": 0.9, "nu": 0.7}),
+    ("QHM", pyt.QHM, {"lr": 0.5, "momentum": 0.99, "nu": 1.1, "weight_decay": 0.1}),
+    ("QHM", pyt.QHM, {"lr": 0.5, "momentum": 0.9, "nu": 0.7, **DIRECT}),
     ("QHM", QHM, {"lr": 0.5, "momentum": 0.9, "nu": 0.7}),
-    ("QHM", QHM, {"lr": 0.5, "momentum": 0.99, "nu": 1.1, "weight_decay": 0.1}),
-    ("QHM", QHM, {"lr": 0.5, "momentum": 0.9, "nu": 0.7, **DIRECT}),
-    ("QHAdam", QHAdam, {"lr": 0.01}),
-    ("QHAdam", QHAdam, {"lr": 0.01, "nus": (0.7, 0.8), "weight_decay": 0.1}),
+    ("QHAdam", pyt.QHAdam, {"lr": 0.01}),
+    ("QHAdam", pyt.QHAdam, {"lr": 0.01, "nus": (0.7, 0.8), "weight_decay": 0.1}),
     ("QHAdam", QHAdam, {"lr": 0.01, "betas": (0.0, 0.99), "nus": (0.5, 0.9), "weight_decay": 0.1}),
-    ("QHAdam", QHAdam, {"lr": 0.01, "betas": (0.0, 0.0), "nus": (0.5, 0.9)}),
+    ("QHAdam", pyt.QHAdam, {"lr": 0.01, "betas": (0.0, 0.0), "nus": (0.5, 0.9)}),
+    ("QHAdam", pyt.QHAdam, {"lr": 0.01, "nus": (0.5, 0.9), "decouple_weight_decay": True}),
+    ("QHAdamW", pyt.QHAdamW, {"lr": 0.01, "nus": (0.7, 1.0), "weight_decay": 0.1}),
     ("QHAdamW", QHAdamW, {"lr": 0.01, "nus": (0.7, 1.0), "weight_decay": 0.1}),
 ]
 
@@ -205,7 +210,7 @@ def test_a_qhoptim_1_1_0_checkpoint_continues_the_same_trajectory(
     params = [torch.nn.Parameter(p.detach().clone()) for p in old_params]
     new = cls(params, lr=1.0)  # the hyperparameters come from the checkpoint
     new.load_state_dict(checkpoint)
-    if cls is not QHM:
+    if not issubclass(cls, QHM):
         steps = {float(s["step"]) for s in new.state.values()}
         # 1.1.0 keeps no count; it is recovered from sum(beta**i), or 1 when both betas
         # are 0 (then the bias corrections are 1 at every step anyway).

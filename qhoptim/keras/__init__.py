@@ -5,9 +5,14 @@ variables, ``update_step`` is written once with ``keras.ops`` and runs unchanged
 on the TensorFlow, JAX and torch backends, ``get_config`` adds the QH
 hyperparameters to the base configuration. The math of ``update_step`` is
 :func:`qhoptim.rules.qhm_update` / :func:`qhoptim.rules.qhadam_update` (wrapped
-in ``_qhm_step`` / ``_qhadam_step``, one variable's step, which TensorFlow runs
-XLA-compiled: see :data:`TF_JIT_COMPILE`); the hyperparameters are checked by
-:mod:`qhoptim.validation`, with Keras's argument names.
+in ``_qhm_step`` / ``_qhadam_step``, one variable's step); the hyperparameters
+are checked by :mod:`qhoptim.validation`, with Keras's argument names.
+
+How a step runs is chosen once, at import, as a mixin of the shared base class
+from the active backend's module (imported only on that backend):
+``_tensorflow`` runs each variable's step as one XLA computation (see
+:data:`TF_JIT_COMPILE`), ``_torch`` steps all variables at once with
+:mod:`qhoptim.torch`'s kernel layer; JAX runs ``update_step`` as written.
 
 Every base keyword of Keras optimizers is accepted and behaves as in Keras's own
 ``SGD`` and ``Adam``. In particular ``weight_decay`` is Keras's *decoupled*
@@ -18,6 +23,10 @@ as a separate pass, and honours ``exclude_from_weight_decay``. Coupled (L2)
 decay is what Keras expresses with layer regularizers
 (``kernel_regularizer=keras.regularizers.L2(weight_decay / 2)`` adds
 ``weight_decay * variable`` to the gradient).
+
+Every write to a variable goes through the optimizer's ``assign`` (Keras's
+contract for optimizers), or on torch through in-place kernels, as Keras's own
+torch ``SGD`` and ``Adam`` do.
 
 The classes are registered as Keras serializables (package ``"qhoptim"``), so
 ``keras.models.load_model`` restores them, configuration and state, without
@@ -30,10 +39,9 @@ References:
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
-from typing import Any, cast
+from typing import Any
 
 import keras
 
@@ -73,18 +81,6 @@ try:  # the text Keras's own optimizers substitute for {{base_optimizer_keyword_
 except ImportError:  # pragma: no cover - keras moved its private module
     _BASE_ARGS = "name, weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ..."
 
-_BACKEND = keras.backend.backend()
-if _BACKEND == "tensorflow":
-    import tensorflow as tf
-
-    _SPARSE_TYPES: tuple[type, ...] = (tf.IndexedSlices,)
-else:
-    _SPARSE_TYPES = ()
-if _BACKEND == "torch":
-    import torch
-
-    from qhoptim import torch as qh_torch
-
 #: On the TensorFlow backend each variable's step -- reading the state, the
 #: rule, writing the state back -- runs as one XLA computation
 #: (``tf.function(jit_compile=True)``): one fused loop over memory, as on the
@@ -93,40 +89,13 @@ if _BACKEND == "torch":
 #: memory, and QHAdam is up to ~1.6x slower than Keras's ``Adam`` on CPU
 #: (``benchmarks/keras_step.py``). Set to ``False`` before the first step (before
 #: ``fit``) to use plain TensorFlow ops, e.g. on a device without XLA; the
-#: numbers are the same.
+#: numbers are the same. Read from this module at every step; TensorFlow only.
 TF_JIT_COMPILE = True
 
-
-# --------------------------------------------------------------------- helpers
-def _dense(gradient: Any) -> Any:
-    """A ``tf.IndexedSlices`` gradient (embeddings, TF backend) as a dense tensor.
-
-    QHM and QHAdam decay their buffers at *every* row on every step, so a sparse
-    gradient is the dense gradient with zero rows, exactly as for Keras's own
-    ``SGD`` and ``Adam`` (which densify it too when they mix it with a buffer).
-    """
-    if isinstance(gradient, _SPARSE_TYPES):
-        return tf.convert_to_tensor(gradient)
-    return gradient
+_BACKEND = keras.backend.backend()
 
 
-def _read(x: Any) -> Any:
-    """The value of a variable (or a tensor as is), as a backend tensor.
-
-    On JAX, a ``keras.Variable``'s value honours the stateless scope of
-    ``stateless_apply``; on TensorFlow, ``tf.convert_to_tensor`` reads a
-    ``keras.Variable`` or the ``tf.Variable`` Keras passes to ``update_step``.
-    """
-    if _BACKEND == "tensorflow":
-        return tf.convert_to_tensor(x)
-    return x.value if isinstance(x, keras.Variable) else x
-
-
-def _handle(x: Any) -> Any:
-    """What crosses into the XLA-compiled step on TensorFlow: ``tf.Variable``s, not Keras's."""
-    return x.value if isinstance(x, keras.Variable) else x
-
-
+# ------------------------------------------------------------ one variable's step
 def _scalar_input(value: Any, dtype: Any) -> Any:
     """A learning rate (or step count) as the step's input.
 
@@ -182,56 +151,33 @@ def _step_number(iterations, dtype):
     return ops.where(t < 1, t + 2.0**32, t)
 
 
-def _bias_correction(beta, t):
-    """:func:`qhoptim.rules.bias_correction`, ``1 - beta**t``, accurate in float32 too.
-
-    In float32 (JAX without x64) ``1 - beta**t`` cancels: for ``beta = 0.99999``
-    it is off by ~1e-2 relative at ``t = 1`` (Keras's ``Adam`` as well). Written
-    as ``-expm1(t * log(beta))``, with ``log(beta)`` taken in float64 here, it
-    keeps float32's precision. In float64 the rule is used as written.
-    """
-    if ops.dtype(t) != "float32" or beta == 0:
-        return rules.bias_correction(beta, t)
-    return -ops.expm1(t * math.log(beta))
-
-
 def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype, **hparams):
-    """One QHAdam step of one variable, from :mod:`qhoptim.rules`.
+    """One QHAdam step of one variable, from :mod:`qhoptim.rules`: ``(exp_avg, exp_avg_sq, param)``.
 
-    ``iterations`` counts the steps already taken. Returns ``(exp_avg, exp_avg_sq, param)``.
+    ``iterations`` counts the steps already taken. The bias corrections are
+    computed in ``bias_dtype``, with :func:`qhoptim.rules.bias_correction`'s
+    float32 policy (``expm1``) in float32.
     """
     dtype = param.dtype
     lr = ops.cast(lr, dtype)
     weight_decay = hparams.pop("weight_decay")
     t = _step_number(iterations, bias_dtype)
+    expm1 = ops.expm1 if bias_dtype == "float32" else None
+    bc1 = rules.bias_correction(hparams["beta1"], t, expm1=expm1)
+    bc2 = rules.bias_correction(hparams["beta2"], t, expm1=expm1)
     exp_avg, exp_avg_sq, update = rules.qhadam_update(
         grad,
         exp_avg,
         exp_avg_sq,
-        bias_correction1=ops.cast(_bias_correction(hparams["beta1"], t), dtype),
-        bias_correction2=ops.cast(_bias_correction(hparams["beta2"], t), dtype),
+        bias_correction1=ops.cast(bc1, dtype),
+        bias_correction2=ops.cast(bc2, dtype),
         sqrt=ops.sqrt,
         **hparams,
     )
     return exp_avg, exp_avg_sq, _new_value(param, update, lr, weight_decay)
 
 
-def _tf_xla_step(step: Any) -> Any:
-    """``step`` with its state reads and writes, as one XLA computation (TensorFlow).
-
-    Each optimizer keeps its own functions (``_QHOptimizer._xla_steps``): a
-    traced function may hold on to the variables it first saw, so sharing one
-    across optimizers (or models) would call it with deleted variables.
-    """
-
-    def run(inputs: list[Any], state: list[Any], **hparams: Any) -> None:
-        values = step(*[_read(x) for x in inputs], *[_read(v) for v in state], **hparams)
-        for variable, value in zip(state, values, strict=True):
-            variable.assign(tf.cast(value, variable.dtype))
-
-    return tf.function(run, jit_compile=True, reduce_retracing=True)
-
-
+# ---------------------------------------------------------------------- plumbing
 def _float(value: Any) -> Any:
     """Concrete real numbers as Python floats (JSON-serializable config); others as given."""
     x = validation.concrete_float(value)
@@ -254,8 +200,17 @@ def _doc(cls: type) -> type:
     return cls
 
 
-class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
-    """Shared plumbing: running one variable's step, decoupled weight decay."""
+class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
+    """Backend-neutral plumbing: running one variable's step, decoupled weight decay.
+
+    The backend's mixin (``_BackendStep``) comes before this class in the MRO
+    of :class:`_QHOptimizer`: it may override the step hooks ``_dense``,
+    ``_read`` and ``_step_variable`` (falling back here through ``super()``)
+    and Keras's ``_backend_update_step``.
+    """
+
+    #: Which rule ``update_step`` runs, for backends with whole-list kernels.
+    _RULE: str
 
     def _apply_weight_decay(self, variables: Any) -> None:
         # Decoupled decay is part of each variable's step (``_new_value``, i.e.
@@ -285,6 +240,14 @@ class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
             return None
         return wd if self._use_weight_decay(variable) else None
 
+    def _hyperparameters(self) -> dict[str, Any]:
+        """The rule's hyperparameters, under :mod:`qhoptim.rules`'s names."""
+        raise NotImplementedError
+
+    def _slots(self, index: int) -> list[Any]:
+        """The slot variables of model variable ``index``, in the order the step takes them."""
+        raise NotImplementedError
+
     def _run_step(self, step: Any, inputs: list[Any], state: list[Any], **hparams: Any) -> None:
         """``state <- step(*inputs, *state, **hparams)`` for one model variable (``state[-1]``).
 
@@ -292,55 +255,48 @@ class _QHOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]
         rate, step count). ``hparams`` are Python values.
         """
         dtype = state[-1].dtype
-        gradient = _dense(ops.cast(inputs[0], dtype))
+        gradient = self._dense(ops.cast(inputs[0], dtype))
         inputs = [gradient, *(_scalar_input(x, dtype) for x in inputs[1:])]
-        if _BACKEND == "tensorflow" and TF_JIT_COMPILE:
-            steps = self.__dict__.setdefault("_xla_steps", {})
-            if step not in steps:
-                steps[step] = _tf_xla_step(step)
-            steps[step]([_handle(x) for x in inputs], [_handle(v) for v in state], **hparams)
-            return
-        if _BACKEND == "torch":
-            with torch.no_grad():
-                values = step(*map(_read, inputs), *map(_read, state), **hparams)
-        else:
-            values = step(*map(_read, inputs), *map(_read, state), **hparams)
+        self._step_variable(step, inputs, state, hparams)
+
+    # The step hooks (see the class docstring).
+    def _dense(self, gradient: Any) -> Any:
+        """A sparse gradient (JAX's ``BCOO``) as a dense tensor; dense ones as they are.
+
+        QHM and QHAdam decay their buffers at *every* row on every step, so a
+        sparse gradient is the dense gradient with zero rows, as for Keras's
+        own ``SGD`` and ``Adam`` (which densify it too, mixing it with a buffer).
+        """
+        return ops.convert_to_tensor(gradient, sparse=False)
+
+    def _read(self, x: Any) -> Any:
+        """The value of a variable (or a tensor as is); on JAX it honours ``stateless_apply``."""
+        return x.value if isinstance(x, keras.Variable) else x
+
+    def _step_variable(
+        self, step: Any, inputs: list[Any], state: list[Any], hparams: dict[str, Any]
+    ) -> None:
+        """Evaluate ``step`` with the backend's ops; write the state through ``self.assign``."""
+        values = step(*map(self._read, inputs), *map(self._read, state), **hparams)
         for variable, value in zip(state, values, strict=True):
             self.assign(variable, value)
 
-    if _BACKEND == "torch":
 
-        def _backend_update_step(self, grads, trainable_variables, learning_rate):
-            """Every variable's step at once, with :mod:`qhoptim.torch`'s multi-tensor kernels.
+# The active backend's step (see the module's docstring); its module is imported
+# only when that backend is active.
+_BackendStep: Any
+if _BACKEND == "tensorflow":
+    from qhoptim.keras._tensorflow import TensorFlowStep as _BackendStep
+elif _BACKEND == "torch":
+    from qhoptim.keras._torch import TorchStep as _BackendStep
+else:
 
-            Keras runs its own ``SGD`` and ``Adam`` this way on the torch backend
-            (``torch._foreach`` versions); the per-variable ``update_step`` would
-            launch every operation of the rule once per variable. The variables
-            are grouped by their decoupled weight decay; the generic path remains
-            for what the kernels do not take (hyperparameters that are tensors,
-            complex variables, ``torch.compile``).
-            """
-            hparams = self._torch_hparams()
-            wd = 0.0 if self.weight_decay is None else validation.concrete_float(self.weight_decay)
-            if hparams is None or wd is None or torch.compiler.is_compiling():
-                return super()._backend_update_step(grads, trainable_variables, learning_rate)
-            # Eager torch: the learning rate (Keras's variable, a schedule's
-            # tensor, a callable's number) is concrete; read once per step.
-            lr = float(_read(learning_rate))
-            groups: dict[float, tuple[list[int], list[Any], list[Any]]] = {}
-            for grad, variable in zip(grads, trainable_variables, strict=True):
-                param = variable.value  # Keras's ``value`` is not free: read once
-                if param.is_complex():
-                    return super()._backend_update_step(grads, trainable_variables, learning_rate)
-                decay = 0.0 if self._weight_decay_for(variable) is None else wd
-                indices, params, param_grads = groups.setdefault(decay, ([], [], []))
-                indices.append(self._get_variable_index(variable))
-                params.append(param)
-                param_grads.append(grad if grad.dtype == param.dtype else grad.to(param.dtype))
-            with torch.no_grad():
-                for wd, group in groups.items():
-                    self._torch_step(*group, lr=lr, weight_decay=wd, **hparams)
-            return None
+    class _BackendStep:  # type: ignore[no-redef]
+        """JAX and Keras's other backends: ``update_step`` as written (``jax.jit`` fuses it)."""
+
+
+class _QHOptimizer(_BackendStep, _PerVariableStep):  # type: ignore[misc]
+    """The shared base class: the backend-neutral plumbing, under the active backend's step."""
 
 
 # ------------------------------------------------------------------------- QHM
@@ -390,6 +346,8 @@ class QHM(_QHOptimizer):
     Reference:
         - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 3.
     """
+
+    _RULE = "qhm"
 
     def __init__(
         self,
@@ -460,32 +418,20 @@ class QHM(_QHOptimizer):
         super().build(var_list)
         self._momentums = self.add_optimizer_variables(var_list, "momentum")
 
+    def _hyperparameters(self):
+        return {"momentum": self.momentum, "nu": self.nu}
+
+    def _slots(self, index):
+        return [self._momentums[index]]
+
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
-        m = self._momentums[self._get_variable_index(variable)]
         self._run_step(
             _qhm_step,
             [gradient, learning_rate],
-            [m, variable],
-            momentum=self.momentum,
-            nu=self.nu,
+            [*self._slots(self._get_variable_index(variable)), variable],
             weight_decay=self._weight_decay_for(variable),
-        )
-
-    def _torch_hparams(self):
-        hparams = {"momentum": self.momentum, "nu": self.nu}
-        return hparams if all(isinstance(x, float) for x in hparams.values()) else None
-
-    def _torch_step(self, indices, params, grads, **hparams):
-        buffers = [self._momentums[i].value for i in indices]
-        qh_torch.qhm(
-            params,
-            grads,
-            buffers,
-            foreach=True,  # as Keras's own SGD here; the kernels group by device and dtype
-            decoupled_weight_decay=True,
-            maximize=False,
-            **hparams,
+            **self._hyperparameters(),
         )
 
     def get_config(self):
@@ -555,6 +501,8 @@ class QHAdam(_QHOptimizer):
     Reference:
         - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 5.
     """
+
+    _RULE = "qhadam"
 
     def __init__(
         self,
@@ -644,53 +592,28 @@ class QHAdam(_QHOptimizer):
             var_list, ["momentum", "velocity"]
         )
 
-    def update_step(self, gradient, variable, learning_rate):
-        """Update step given gradient and the associated model variable."""
-        m = self._momentums[self._get_variable_index(variable)]
-        v = self._velocities[self._get_variable_index(variable)]
-        self._run_step(
-            _qhadam_step,
-            [gradient, learning_rate, self.iterations],
-            [m, v, variable],
-            beta1=self.beta_1,
-            beta2=self.beta_2,
-            nu1=self.nu_1,
-            nu2=self.nu_2,
-            eps=self.epsilon,
-            weight_decay=self._weight_decay_for(variable),
-            bias_dtype=_bias_correction_dtype(),
-        )
-
-    def _torch_hparams(self):
-        hparams = {
+    def _hyperparameters(self):
+        return {
             "beta1": self.beta_1,
             "beta2": self.beta_2,
             "nu1": self.nu_1,
             "nu2": self.nu_2,
             "eps": self.epsilon,
         }
-        return hparams if all(isinstance(x, float) for x in hparams.values()) else None
 
-    def _torch_step(self, indices, params, grads, **hparams):
-        exp_avgs = [self._momentums[i].value for i in indices]
-        exp_avg_sqs = [self._velocities[i].value for i in indices]
-        # The number of this step (``iterations`` + 1), read through an int32 wrap.
-        step = float(_step_number(_read(self.iterations), "float64"))
-        grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(
-            [params, grads, exp_avgs, exp_avg_sqs]
+    def _slots(self, index):
+        return [self._momentums[index], self._velocities[index]]
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Update step given gradient and the associated model variable."""
+        self._run_step(
+            _qhadam_step,
+            [gradient, learning_rate, self.iterations],
+            [*self._slots(self._get_variable_index(variable)), variable],
+            weight_decay=self._weight_decay_for(variable),
+            bias_dtype=_bias_correction_dtype(),
+            **self._hyperparameters(),
         )
-        for tensors, _ in grouped.values():
-            ps, gs, ms, ss = (cast("list[torch.Tensor]", t) for t in tensors)
-            qh_torch._foreach_qhadam_group(
-                ps,
-                gs,
-                ms,
-                ss,
-                [step] * len(ps),
-                decoupled_weight_decay=True,
-                maximize=False,
-                **hparams,
-            )
 
     def get_config(self):
         config = super().get_config()
@@ -715,8 +638,8 @@ class QHAdamW(QHAdam):
     Before each step the variable is multiplied by :math:`1 - \alpha\lambda`
     (:math:`\lambda` = ``weight_decay``), in the same pass as the QHAdam
     update. ``QHAdamW(weight_decay=wd, ...)`` is ``QHAdam(weight_decay=wd, ...)``
-    with a non-zero default, ``0.01`` -- qhoptim's (and torch's ``AdamW``)
-    default; Keras's ``AdamW`` defaults to ``0.004``.
+    with a non-zero default, ``0.004`` -- Keras's ``AdamW`` default (torch's
+    ``AdamW`` and ``qhoptim.torch.QHAdamW`` default to ``0.01``).
 
     Args:
         learning_rate: A float, a
@@ -724,7 +647,7 @@ class QHAdamW(QHAdam):
             a callable that takes no arguments and returns the actual value to
             use. The learning rate. Defaults to `0.001`.
         weight_decay: Float ``>= 0``. The decoupled weight decay
-            :math:`\lambda`. Defaults to `0.01`.
+            :math:`\lambda`. Defaults to `0.004`.
         beta_1: Float in ``[0, 1)``. Defaults to `0.9`.
         beta_2: Float in ``[0, 1)``. Defaults to `0.999`.
         nu_1: Float. Immediate discount factor of the first moment. Defaults to `1.0`.
@@ -742,7 +665,7 @@ class QHAdamW(QHAdam):
     def __init__(
         self,
         learning_rate=0.001,
-        weight_decay=0.01,
+        weight_decay=0.004,
         beta_1=0.9,
         beta_2=0.999,
         nu_1=1.0,

@@ -1,0 +1,26 @@
+r"""QHM, QHAdam and QHAdamW for PyTorch (``torch.optim.Optimizer`` subclasses).
+
+The layout follows ``torch/optim``: one module per optimizer (``_qhm.py``,
+``_qhadam.py``) holding the class and its functional entry point (:func:`qhm`,
+:func:`qhadam`), which dispatches to a per-tensor (``_single_tensor_*``) or a
+multi-tensor (``_multi_tensor_*``) implementation; the machinery the classes
+share is in ``_optimizer.py``, and every piece of tensor arithmetic in
+``_kernels.py``, with its coefficients from :mod:`qhoptim.rules`.
+
+This package imports only torch and the qhoptim core.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+except ImportError as error:  # pragma: no cover - exercised where torch is absent
+    raise ImportError(
+        "qhoptim.torch needs PyTorch, which is not installed. "
+        'Install it with `pip install "qhoptim[torch]"`.'
+    ) from error
+
+from qhoptim.torch._qhadam import QHAdam, QHAdamW, qhadam
+from qhoptim.torch._qhm import QHM, qhm
+
+__all__ = ["QHM", "QHAdam", "QHAdamW", "qhadam", "qhm"]

@@ -1,0 +1,224 @@
+r"""Fused QHM and QHAdam steps (``fused=True``): one pass over memory per step.
+
+A fused step reads each parameter, its gradient and its state once and writes
+the parameter and the state once -- the 20 bytes per float32 parameter of QHM
+and 28 of QHAdam that torch's fused SGD and Adam move too -- instead of the
+several passes of the multi-tensor kernels. The coefficients are those of the
+kernel layer (:mod:`qhoptim.torch._kernels`, from :mod:`qhoptim.rules`); only
+their application is fused:
+
+* **CPU**: a C++ kernel (``csrc/fused_cpu.cpp``), vectorized and parallel over
+  elements, compiled with ``torch.utils.cpp_extension`` on first use (about
+  half a minute) and cached on disk (``TORCH_EXTENSIONS_DIR``) for every later
+  process. It needs a C++ compiler and ninja.
+* **CUDA**: Triton kernels (:mod:`qhoptim.torch._triton`), one launch per
+  device and dtype over every tensor of a param group.
+
+As in ``torch.optim.Adam(fused=True)``, the step reads ``grad_scale`` and
+``found_inf`` that ``torch.amp.GradScaler`` sets: gradients are unscaled inside
+the kernel (never written), and a step with an inf or NaN gradient is skipped,
+state and step counts included. Low-precision parameters are computed in
+float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import Optimizer
+
+from qhoptim import rules
+from qhoptim.torch import _kernels
+
+__all__ = ["check_fused", "fused_qhadam", "fused_qhm"]
+
+_CSRC = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
+_FORMS = {rules.Denominator.EXP_AVG_SQ: 0, rules.Denominator.GRAD: 1, rules.Denominator.MIX: 2}
+_DEVICES = ("cpu", "cuda")
+
+
+def check_fused(params: list[Tensor], *, foreach: bool | None, differentiable: bool) -> None:
+    """Refuse what ``fused=True`` cannot do, with torch's own wording where it has one."""
+    if foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    for p in params:
+        if p.device.type not in _DEVICES or not torch.is_floating_point(p):
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of "
+                f"supported devices: {list(_DEVICES)}; received a {p.dtype} tensor on {p.device}"
+            )
+
+
+@functools.cache
+def _cpu_extension() -> Any:
+    """The compiled C++ kernels (built on first use, then loaded from the disk cache)."""
+    from torch.utils import cpp_extension
+
+    missing = []
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        missing.append("a C++ compiler (`c++`, or the one $CXX names)")
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        missing.append("ninja (`pip install ninja`)")
+    if missing:
+        raise RuntimeError(
+            "fused=True on CPU compiles qhoptim's C++ kernel on first use, which needs "
+            + " and ".join(missing)
+            + "; install them, or use fused=False (the multi-tensor kernels)."
+        )
+    try:
+        return cpp_extension.load(
+            name="qhoptim_fused_cpu",
+            sources=[str(_CSRC)],
+            extra_cflags=["-O3", "-fno-math-errno"],
+            verbose=False,
+        )
+    except Exception as error:  # the compiler's own failure, with its output
+        raise RuntimeError(
+            f"fused=True on CPU: compiling qhoptim's C++ kernel ({_CSRC.name}) failed; "
+            f"use fused=False (the multi-tensor kernels). The build said: {error}"
+        ) from error
+
+
+def _skip(found_inf: Tensor | None) -> bool:
+    """Whether GradScaler found an inf or NaN gradient (read on the host, CPU only)."""
+    return found_inf is not None and bool(found_inf.item() != 0)
+
+
+def _grad_multiplier(hp: Any, grad_scale: Tensor | None) -> float:
+    inv_scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale.item())
+    return -inv_scale if hp.maximize else inv_scale
+
+
+def _decay(hp: Any, lr: float) -> tuple[float, float]:
+    """``(coupled weight decay, decoupled decay factor)`` (see ``rules.weight_decay_terms``)."""
+    if hp.weight_decay == 0:
+        return 0.0, 1.0
+    if hp.decoupled_weight_decay:
+        return 0.0, rules.decoupled_decay_factor(lr, hp.weight_decay)
+    return hp.weight_decay, 1.0
+
+
+class _Contiguous:
+    """Contiguous stand-ins for strided tensors, written back on exit."""
+
+    def __init__(self, *lists: list[Tensor]) -> None:
+        self.pairs: list[tuple[Tensor, Tensor]] = []
+        self.lists = [[self._contiguous(t) for t in ts] for ts in lists]
+
+    def _contiguous(self, t: Tensor) -> Tensor:
+        if t.is_contiguous():
+            return t
+        c = t.contiguous()
+        self.pairs.append((t, c))
+        return c
+
+    def __enter__(self) -> list[list[Tensor]]:
+        return self.lists
+
+    def __exit__(self, *exc: object) -> None:
+        for t, c in self.pairs:
+            t.copy_(c)
+
+
+def _groups(tensorlists: list[list[Tensor]]) -> list[tuple[torch.device, list[list[Tensor]]]]:
+    grouped = Optimizer._group_tensors_by_device_and_dtype(tensorlists)  # type: ignore[arg-type]
+    return [
+        (cast(torch.device, device), [cast(list[Tensor], ts) for ts in lists])
+        for (device, _), (lists, _) in grouped.items()
+    ]
+
+
+def fused_qhm(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    hp: _kernels.QHMHyperparameters,
+    *,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """One fused QHM step (coefficients of :func:`qhoptim.rules.qhm_coefficients`)."""
+    c = rules.qhm_coefficients(hp.momentum, hp.nu)
+    for device, (ps, gs, bufs) in _groups([params, grads, momentum_buffers]):
+        if device.type == "cuda":
+            from qhoptim.torch import _triton
+
+            _triton.qhm_(ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf)
+            continue
+        if _skip(found_inf):
+            continue
+        lr = float(hp.lr)
+        coupled, decay = _decay(hp, lr)
+        with _Contiguous(ps, gs, bufs) as (ps_, gs_, bufs_):
+            _cpu_extension().qhm_(
+                ps_,
+                gs_,
+                bufs_,
+                _grad_multiplier(hp, grad_scale),
+                coupled,
+                decay,
+                c.grad_to_buffer,
+                -lr * c.buffer_weight,
+                -lr * c.grad_weight,
+            )
+
+
+def fused_qhadam(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    state_steps: list[Tensor],
+    hp: _kernels.QHAdamHyperparameters,
+    *,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """One fused QHAdam step (coefficients of :func:`qhoptim.rules.fold_qhadam`).
+
+    ``state_steps`` are tensors on the parameters' devices, incremented here
+    unless GradScaler found an inf.
+    """
+    form = _FORMS[rules.qhadam_denominator(hp.nu2)]
+    for device, (ps, gs, ms, ss, ts) in _groups(
+        [params, grads, exp_avgs, exp_avg_sqs, state_steps]
+    ):
+        if device.type == "cuda":
+            from qhoptim.torch import _triton
+
+            _triton.qhadam_(ps, gs, ms, ss, ts, hp, grad_scale=grad_scale, found_inf=found_inf)
+            continue
+        if _skip(found_inf):
+            continue
+        torch._foreach_add_(ts, 1)
+        lr = float(hp.lr)
+        coupled, decay = _decay(hp, lr)
+        folds = [
+            _kernels.host_fold(float(t), lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps) for t in ts
+        ]
+        coefficients = torch.tensor([f[1:] for f in folds], dtype=torch.float64)
+        with _Contiguous(ps, gs, ms, ss) as (ps_, gs_, ms_, ss_):
+            _cpu_extension().qhadam_(
+                ps_,
+                gs_,
+                ms_,
+                ss_,
+                coefficients,
+                form,
+                _grad_multiplier(hp, grad_scale),
+                coupled,
+                decay,
+                1 - hp.beta1,
+                hp.beta2,
+                1 - hp.beta2,
+            )

@@ -1,0 +1,394 @@
+"""The machinery QHM and QHAdam share: validation of param groups, gathering the
+parameters with gradients, state-dict checks and the upgrade of older state
+dicts (qhoptim 1.1.0's included), the choice of implementation, ``step``.
+
+Tensor arithmetic lives in :mod:`qhoptim.torch._kernels`; each optimizer module
+(``_qhm.py``, ``_qhadam.py``) adds its hyperparameters and state.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import (
+    Optimizer,
+    _default_to_fused_or_foreach,
+    _foreach_supported_types,
+    _get_scalar_dtype,
+    _get_value,
+    _use_grad_for_differentiable,
+)
+from torch.optim.optimizer import (
+    required as required,  # re-exported for qhoptim.pyt
+)
+
+_TORCH_FLAGS = {
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+}
+
+# torch's own helpers, untyped there: the dtype of step counters, and a step's
+# value (a float, or the tensor itself under torch.compile / capturable).
+scalar_dtype: Callable[[], torch.dtype] = _get_scalar_dtype
+value_of: Callable[[Tensor], Any] = _get_value
+
+
+def lr_value(lr: Any) -> Any:
+    """The value of ``lr`` to validate: a 1-element tensor is read once, here, never in ``step``."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element; received a tensor of shape {lr.shape}")
+        return float(lr.detach())
+    if lr is required:
+        return 0.0  # torch's add_param_group reports the missing lr, after these checks
+    return lr
+
+
+def numbers_only(hparams: dict[str, Any]) -> None:
+    """Refuse tensors for the hyperparameters that are not ``lr``.
+
+    The steps fold them into Python-float coefficients (the in-place kernels'
+    scalars), so a tensor would fail inside ``step`` or be read once and then
+    ignored when changed; only ``lr`` may be a tensor, as in ``torch.optim``.
+    """
+    for name, value in hparams.items():
+        if isinstance(value, Tensor):
+            raise TypeError(
+                f"{name} must be a Python number (only lr may be a tensor); "
+                f"received {name}={value!r}"
+            )
+
+
+def needs_formula(lr: Any, capturable: bool, differentiable: bool) -> bool:
+    """Whether a coefficient may be a tensor, so in-place kernels with scalars cannot be used."""
+    return differentiable or capturable or isinstance(lr, Tensor) or torch.compiler.is_compiling()
+
+
+def default_foreach(params: list[Tensor], differentiable: bool) -> bool:
+    """The implementation ``foreach=None`` picks (see ``benchmarks/torch_step.py``).
+
+    torch's rule picks the multi-tensor kernels on accelerators only, and the
+    per-tensor loop on CPU. Here the CPU multi-tensor path works in cache-sized
+    chunks (:data:`_CPU_CHUNK_NUMEL`), and so measured faster than the loop on
+    CPU too: on ResNet-18 shapes as fast or faster (QHAdam 21 vs 22 ms), on 500
+    tensors of 1,000 elements 1.5x faster (Python dispatch per tensor and op).
+    So foreach is the default on CPU as well, for non-differentiable steps of
+    the tensor types torch's multi-tensor kernels take: plain tensors and
+    parameters, and DTensors (FSDP2 or tensor parallelism on CPU), for which
+    the loop pays DTensor's dispatch per tensor and op: QHAdam on 200 DTensors
+    of 1,000 elements sharded over 2 gloo ranks takes 28 ms with foreach and
+    200 ms in the loop.
+    """
+    _, foreach = _default_to_fused_or_foreach(params, differentiable, use_fused=False)
+    if foreach or differentiable:
+        return foreach
+    return all(type(p) in _foreach_supported_types and p.device.type == "cpu" for p in params)
+
+
+def cast_complex_state(param: Tensor, state: dict[str, Any]) -> None:
+    """Cast a complex parameter's loaded state to its precision.
+
+    torch's ``load_state_dict`` casts state only for floating-point parameters;
+    for a complex one it would keep, e.g., complex128 moments for a complex64
+    parameter (and the foreach kernels would then refuse the mix).
+    """
+    if not param.is_complex():
+        return
+    for key, value in state.items():
+        if key != "step" and torch.is_tensor(value):
+            state[key] = value.to(param.dtype if value.is_complex() else param.real.dtype)
+
+
+def _check_param_state(
+    what: str, key: Any, param: Tensor, p_state: Any, allowed: tuple[frozenset[str], ...]
+) -> None:
+    """One parameter's saved state: the optimizer's keys, tensors that fit the parameter."""
+    if not isinstance(p_state, dict):
+        raise TypeError(
+            f"{what}: the state of parameter {key!r} is a {type(p_state).__name__}, not a dict"
+        )
+    keys = frozenset(p_state)
+    if keys not in allowed:
+        want = " or ".join(str(sorted(a)) for a in allowed if a)
+        raise ValueError(
+            f"{what}: the state of parameter {key!r} has keys {sorted(keys)}, expected {want}; "
+            "is this the state dict of another optimizer?"
+        )
+    for name, value in p_state.items():
+        if name in ("step", "beta1_weight", "beta2_weight"):
+            number = value
+            if torch.is_tensor(value):
+                if value.numel() != 1 or value.is_complex():
+                    raise ValueError(
+                        f"{what}: {name} of parameter {key!r} must be a real number or a "
+                        f"1-element tensor; received a tensor of shape {tuple(value.shape)}"
+                    )
+                number = value.item()
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise TypeError(
+                    f"{what}: {name} of parameter {key!r} must be a number; received {value!r}"
+                )
+            if not (math.isfinite(number) and number >= 0):
+                raise ValueError(
+                    f"{what}: {name} of parameter {key!r} must be in [0, inf); received {number!r}"
+                )
+            continue
+        if not torch.is_tensor(value):
+            raise TypeError(
+                f"{what}: {name} of parameter {key!r} must be a tensor; "
+                f"received {type(value).__name__}"
+            )
+        if value.shape != param.shape:
+            raise ValueError(
+                f"{what}: {name} of parameter {key!r} has shape {tuple(value.shape)}, "
+                f"the parameter {tuple(param.shape)}"
+            )
+        complex_ok = param.is_complex() and name != "exp_avg_sq"  # |g|^2 is real
+        if not (value.is_floating_point() or (value.is_complex() and complex_ok)) or (
+            complex_ok and not value.is_complex()
+        ):
+            raise ValueError(
+                f"{what}: {name} of parameter {key!r} has dtype {value.dtype}, which cannot "
+                f"hold the state of a {param.dtype} parameter"
+            )
+
+
+# On CPU the multi-tensor kernels run over runs of whole tensors of about this
+# many elements: each kernel then finds its operands still in cache from the
+# previous one (as the per-tensor loop does), while small tensors still share
+# kernel calls. Measured with 2 threads (benchmarks/torch_step.py): QHAdam on
+# ResNet-18 shapes takes 21 ms in chunks of 2**13 to 2**21 elements, 29 ms
+
+
+def on_device_kernels(capturable: bool, differentiable: bool) -> bool:
+    """Whether a capturable multi-tensor step keeps its coefficients on the device.
+
+    ``capturable=True`` must not read anything back to the host (a CUDA graph
+    replays the step with new gradients and a new tensor ``lr``), so the
+    coefficients become tensors and the kernels take them as tensor operands.
+    Differentiable steps and ``torch.compile`` take the out-of-place formula
+    path instead (autograd; the compiler fuses it).
+    """
+    return capturable and not differentiable and not torch.compiler.is_compiling()
+
+
+def sparse_error(optimizer: str) -> RuntimeError:
+    return RuntimeError(f"{optimizer} does not support sparse gradients")
+
+
+class QHOptimizer(Optimizer):
+    """Plumbing shared by QHM and QHAdam: flags of older state dicts, gathering
+    the parameters that have a gradient, and ``step`` over the param groups."""
+
+    # The spelling of decoupled weight decay in qhoptim 1.1.0 and before: QHM's
+    # ``weight_decay_type`` ("grad" | "direct"), QHAdam's ``decouple_weight_decay``.
+    # qhoptim.torch reads it with a DeprecationWarning, qhoptim.pyt silently.
+    _LEGACY_DECAY_KEY = ""
+    _WARN_LEGACY = True
+
+    @staticmethod
+    def _decoupled_from_legacy(value: Any) -> bool:
+        """The ``decoupled_weight_decay`` that the legacy setting ``value`` means."""
+        raise NotImplementedError
+
+    def _renamed(self, group: dict[str, Any], *, warn: bool) -> dict[str, Any]:
+        """``group`` with its legacy weight-decay key read into ``decoupled_weight_decay``."""
+        key = self._LEGACY_DECAY_KEY
+        if key not in group:
+            return group
+        group = dict(group)
+        value = group.pop(key)
+        decoupled = self._decoupled_from_legacy(value)
+        if warn and self._WARN_LEGACY:
+            warnings.warn(
+                f"{type(self).__name__}: {key}={value!r} is deprecated; "
+                f"use decoupled_weight_decay={decoupled}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        group["decoupled_weight_decay"] = decoupled
+        return group
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for i, group in enumerate(self.param_groups):
+            # Older state dicts (qhoptim 1.1.0's included) lack torch's flags.
+            for flag, default in _TORCH_FLAGS.items():
+                group.setdefault(flag, default)
+            group = self.param_groups[i] = self._renamed(group, warn=False)
+            group.setdefault("decoupled_weight_decay", False)
+            self._upgrade_group(group)
+
+    def _upgrade_group(self, group: dict[str, Any]) -> None:
+        """Fill in what an older state dict lacks in ``group`` and its state."""
+        raise NotImplementedError
+
+    # What a state dict of this optimizer holds: the hyperparameters every param
+    # group must have, and the sets of keys a parameter's state may have (the
+    # empty set: not stepped yet).
+    _GROUP_KEYS: tuple[str, ...] = ()
+    _STATE_KEYS: tuple[frozenset[str], ...] = ()
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Validate a param group's hyperparameters (``validation``'s checks)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _from_conversion(cls, params: Any, converted: Any, expected: type, **kwargs: Any) -> Any:
+        if not isinstance(converted, expected):
+            raise TypeError(
+                f"{cls.__name__}.from_params expects qhoptim.convert.{expected.__name__}; "
+                f"received {type(converted).__name__}"
+            )
+        return cls(params, **converted.as_kwargs(), **kwargs)  # type: ignore[attr-defined]
+
+    def _check_decay(self, group: dict[str, Any]) -> None:
+        decoupled = self._renamed(group, warn=False).get("decoupled_weight_decay", False)
+        if not isinstance(decoupled, bool):
+            raise TypeError(
+                "decoupled_weight_decay must be a bool; "
+                f"received decoupled_weight_decay={decoupled!r}"
+            )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            param_group = self._renamed(param_group, warn=True)
+        self._check_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the optimizer state, after checking it fits this optimizer.
+
+        The state dict must come from this optimizer class (or qhoptim 1.1.0's
+        class of the same name): its param groups must match this optimizer's in
+        number and size and hold valid hyperparameters, and each parameter's
+        state must have this optimizer's keys, with tensors of the parameter's
+        shape and a floating-point dtype (torch casts them to the parameter's
+        dtype, as for its own optimizers). Anything else -- a state dict of
+        ``torch.optim.Adam`` or of another QH optimizer, wrong shapes, missing
+        keys -- raises ``ValueError`` or ``TypeError`` and leaves the optimizer
+        unchanged. Load-state-dict pre-hooks run first, once, as in torch.
+        """
+        hooks = self._optimizer_load_state_dict_pre_hooks
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._check_state_dict(state_dict)
+        self._optimizer_load_state_dict_pre_hooks = type(hooks)()  # already run
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        name = type(self).__name__
+        what = f"{name}.load_state_dict"
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            keys = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else None
+            raise TypeError(
+                f"{what} expects a dict with 'state' and 'param_groups' (from state_dict()); "
+                f"received {type(state_dict).__name__}" + (f" with keys {keys}" if keys else "")
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{what}: the state dict has {len(saved_groups)} param groups, "
+                f"this optimizer {len(self.param_groups)}"
+            )
+        params: dict[Any, Tensor] = {}
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{what}: param group {i} of the state dict has {len(saved['params'])} "
+                    f"parameters, this optimizer's {len(group['params'])}"
+                )
+            missing = [k for k in self._GROUP_KEYS if k not in saved]
+            if missing:
+                raise ValueError(
+                    f"{what}: param group {i} lacks {missing}; is this the state dict "
+                    f"of another optimizer? {name} needs {list(self._GROUP_KEYS)}"
+                )
+            self._check_group({**self.defaults, **saved})
+            params.update(zip(saved["params"], group["params"], strict=True))
+        for key, p_state in state_dict["state"].items():
+            if key not in params:
+                raise ValueError(
+                    f"{what}: the state dict has state for parameter {key!r}, "
+                    "which none of its param groups lists"
+                )
+            _check_param_state(what, key, params[key], p_state, self._STATE_KEYS)
+
+    def _gather(
+        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Append the params with a gradient (and their grads); return their states."""
+        states = []
+        has_complex = False
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise sparse_error(type(self).__name__)
+            has_complex |= torch.is_complex(p)
+            params.append(p)
+            grads.append(p.grad)
+            states.append(self.state[p])
+        return states, has_complex
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _setup_fused(self) -> None:
+        """Check a ``fused=True`` optimizer's params; take GradScaler's scale and infs."""
+        if self.defaults.get("fused"):
+            from qhoptim.torch._fused import check_fused
+
+            check_fused(
+                [p for g in self.param_groups for p in g["params"]],
+                foreach=self.defaults["foreach"],
+                differentiable=self.defaults["differentiable"],
+            )
+            # torch.amp.GradScaler then sets grad_scale and found_inf instead
+            # of unscaling the gradients itself; the fused kernels read them.
+            self._step_supports_amp_scaling = True
+
+    def _amp_tensors(self) -> dict[str, Tensor | None]:
+        return {
+            "grad_scale": getattr(self, "grad_scale", None),
+            "found_inf": getattr(self, "found_inf", None),
+        }
+
+    def _step_dtype_and_device(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        """Where a new step count lives: on the parameter's device for capturable and
+        fused steps (float32 for fused, as torch's), else a CPU tensor."""
+        if group["fused"]:
+            return {"dtype": torch.float32, "device": p.device}
+        if group["capturable"]:
+            return {"dtype": scalar_dtype(), "device": p.device}
+        return {"dtype": scalar_dtype()}
+
+    @_use_grad_for_differentiable
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform a single optimization step.
+
+        Args:
+            closure (Callable, optional): A closure that reevaluates the model
+                and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss

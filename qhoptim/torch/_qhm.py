@@ -1,0 +1,304 @@
+"""QHM for PyTorch: the optimizer class and its functional entry :func:`qhm`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import (
+    ParamsT,
+    _capturable_doc,
+    _differentiable_doc,
+    _foreach_doc,
+    _maximize_doc,
+    _params_doc,
+    _to_scalar,
+    required,
+)
+
+from qhoptim import convert, validation
+from qhoptim.torch import _fused, _kernels
+from qhoptim.torch._optimizer import (
+    QHOptimizer,
+    cast_complex_state,
+    default_foreach,
+    lr_value,
+    needs_formula,
+    numbers_only,
+    on_device_kernels,
+)
+
+__all__ = ["QHM", "qhm"]
+
+_WEIGHT_DECAY_TYPES = {"grad": False, "direct": True}
+
+
+def _conversion(name: str) -> Any:
+    """A classmethod returning the constructor kwargs of ``qhoptim.convert.<name>``."""
+    func: Callable[..., convert.QHMParams] = getattr(convert, name)
+
+    @functools.wraps(func)
+    def method(cls: type, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return func(*args, **kwargs).as_kwargs()
+
+    return classmethod(method)
+
+
+class QHM(QHOptimizer):
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = required,  # type: ignore[assignment]
+        momentum: float = 0.999,
+        nu: float = 0.7,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        **legacy: Any,
+    ) -> None:
+        if isinstance(decoupled_weight_decay, str):  # 1.1.0's positional weight_decay_type
+            legacy.setdefault("weight_decay_type", decoupled_weight_decay)
+            decoupled_weight_decay = False
+        unknown = set(legacy) - {"weight_decay_type"}
+        if unknown:
+            raise TypeError(f"QHM got unexpected keyword arguments {sorted(unknown)}")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nu": nu,
+            "weight_decay": weight_decay,
+            "decoupled_weight_decay": decoupled_weight_decay,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+        }
+        super().__init__(params, self._renamed({**defaults, **legacy}, warn=True))
+        self._setup_fused()
+
+    _GROUP_KEYS = ("lr", "momentum", "nu", "weight_decay")
+    _STATE_KEYS = (frozenset(), frozenset({"momentum_buffer"}))
+    _LEGACY_DECAY_KEY = "weight_decay_type"
+
+    @staticmethod
+    def _decoupled_from_legacy(value: Any) -> bool:
+        if not isinstance(value, str) or value not in _WEIGHT_DECAY_TYPES:
+            raise ValueError(
+                "weight_decay_type must be 'grad' or 'direct'; "
+                f"received weight_decay_type={value!r}"
+            )
+        return _WEIGHT_DECAY_TYPES[value]
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        hparams = {k: group[k] for k in ("momentum", "nu", "weight_decay")}
+        numbers_only(hparams)
+        validation.check_qhm(lr=lr_value(group["lr"]), **hparams)
+        self._check_decay(group)
+
+    def _upgrade_group(self, group: dict[str, Any]) -> None:
+        # qhoptim 1.1.0's state is the same; only complex state needs a cast.
+        for p in group["params"]:
+            cast_complex_state(p, self.state.get(p, {}))
+
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        momentum_buffers: list[Tensor],
+    ) -> bool:
+        states, has_complex = self._gather(group, params, grads)
+        for p, state in zip(params, states, strict=True):
+            if len(state) == 0:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            momentum_buffers.append(state["momentum_buffer"])
+        return has_complex
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        momentum_buffers: list[Tensor] = []
+        has_complex = self._init_group(group, params, grads, momentum_buffers)
+        qhm(
+            params,
+            grads,
+            momentum_buffers,
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            has_complex=has_complex,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            nu=group["nu"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            maximize=group["maximize"],
+            **self._amp_tensors(),
+        )
+
+    @classmethod
+    def from_params(cls, params: ParamsT, converted: convert.QHMParams, **kwargs: Any) -> QHM:
+        """Build from :class:`qhoptim.convert.QHMParams`, e.g. a conversion's result.
+
+        ``QHM.from_params(model.parameters(), convert.from_nesterov(lr=0.1, momentum=0.9))``
+        steps exactly as ``SGD(lr=0.1, momentum=0.9, nesterov=True)``; ``kwargs``
+        (``weight_decay``, ``foreach``, ...) go to the constructor.
+        """
+        return cls._from_conversion(params, converted, convert.QHMParams, **kwargs)  # type: ignore[no-any-return]
+
+    # qhoptim 1.1.0's conversions, each returning constructor kwargs.
+    from_sgd = _conversion("from_sgd")
+    from_momentum = _conversion("from_momentum")
+    from_nesterov = _conversion("from_nesterov")
+    from_pid = _conversion("from_pid")
+    from_an_pid = _conversion("from_an_pid")
+    from_synthesized_nesterov = _conversion("from_synthesized_nesterov")
+    from_robust_momentum = _conversion("from_robust_momentum")
+    from_triple_momentum = _conversion("from_triple_momentum")
+    from_accsgd = _conversion("from_accsgd")
+    from_two_state_optimizer = _conversion("from_two_state_optimizer")
+
+
+QHM.__doc__ = rf"""Quasi-hyperbolic momentum (QHM) of `Ma and Yarats (2019)`_.
+
+    .. math::
+        g_{{t+1}} &\leftarrow \beta g_t + (1 - \beta) \nabla_t \\
+        \theta_{{t+1}} &\leftarrow \theta_t - \alpha \left[(1 - \nu) \nabla_t + \nu g_{{t+1}}\right]
+
+    :math:`g` is a *normalized* (dampened) momentum buffer started at zero.
+    :math:`\nu = 0` is SGD, :math:`\nu = 1` momentum, :math:`\nu = \beta`
+    Nesterov's accelerated gradient. The paper's rule of thumb is
+    :math:`\nu = 0.7, \beta = 0.999` (the defaults); plain momentum
+    ``SGD(lr, momentum)`` converts to ``QHM(lr=lr / (1 - momentum), momentum, nu=1)``
+    (see :meth:`from_momentum` and :meth:`from_nesterov`).
+
+    The successor of qhoptim 1.1.0's ``qhoptim.pyt.QHM`` (which stays available,
+    unchanged): the same state (checkpoints load unchanged) and arguments, with
+    1.1.0's ``weight_decay_type`` now spelled ``decoupled_weight_decay``.
+
+    Args:
+        {_params_doc}
+        lr (float, Tensor): learning rate :math:`\alpha` (required, as in 1.1.0,
+            unless every param group sets its own). A tensor must have one element.
+        momentum (float, optional): :math:`\beta`, in [0, 1) (default: 0.999)
+        nu (float, optional): immediate discount factor :math:`\nu`, any finite
+            real (default: 0.7)
+        weight_decay (float, optional): weight decay :math:`\lambda` (default: 0)
+        decoupled_weight_decay (bool, optional): ``False`` adds :math:`\lambda\theta`
+            to the gradient (L2, as ``torch.optim.SGD``; ``p.grad`` is not
+            modified); ``True`` multiplies :math:`\theta` by
+            :math:`1 - \alpha\lambda` before the step, as AdamW. 1.1.0's
+            ``weight_decay_type="grad"`` / ``"direct"`` is still read, with a
+            ``DeprecationWarning``. (default: False)
+        {_maximize_doc}
+        {_foreach_doc}
+            Here the default also picks foreach on CPU, where it was measured faster.
+        {_capturable_doc}
+            QHM keeps no step counter, so with float hyperparameters it is always
+            capturable; ``capturable=True`` also takes a tensor ``lr`` on the
+            device (the loop through :func:`qhoptim.rules.qhm_update`, foreach
+            with the tensor as a kernel operand).
+        {_differentiable_doc}
+
+    Example:
+        >>> optimizer = QHM(model.parameters(), lr=1.0, momentum=0.999, nu=0.7)
+        >>> optimizer.zero_grad()
+        >>> loss_fn(model(input), target).backward()
+        >>> optimizer.step()
+
+    .. _Ma and Yarats (2019): https://arxiv.org/abs/1810.06801
+    """
+
+
+def _single_tensor_qhm(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    hp: _kernels.QHMHyperparameters,
+    *,
+    capturable: bool,
+    differentiable: bool,
+) -> None:
+    if not needs_formula(hp.lr, capturable, differentiable):
+        if params:
+            _kernels.qhm_(params, grads, momentum_buffers, hp, per_tensor=True)
+        return
+    for param, grad, buf in zip(params, grads, momentum_buffers, strict=True):
+        _kernels.formula_qhm_(param, grad, buf, hp, differentiable)
+
+
+def _multi_tensor_qhm(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    hp: _kernels.QHMHyperparameters,
+    *,
+    capturable: bool,
+    differentiable: bool,
+) -> None:
+    if len(params) == 0:
+        return
+    if needs_formula(hp.lr, capturable, differentiable) and not on_device_kernels(
+        capturable, differentiable
+    ):
+        _single_tensor_qhm(
+            params,
+            grads,
+            momentum_buffers,
+            hp,
+            capturable=capturable,
+            differentiable=differentiable,
+        )
+        return
+    _kernels.foreach_qhm(params, grads, momentum_buffers, **hp._asdict())
+
+
+def qhm(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    foreach: bool | None = None,
+    capturable: bool = False,
+    differentiable: bool = False,
+    fused: bool | None = None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    has_complex: bool = False,
+    *,
+    lr: float | Tensor,
+    momentum: float,
+    nu: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+) -> None:
+    r"""Functional API that performs the QHM computation in place.
+
+    See :class:`QHM` for details. ``momentum_buffers`` are the normalized
+    buffers (zeros before the first step). ``has_complex`` is accepted for
+    torch's functional signature; complex tensors are recognised per tensor.
+    ``fused=True`` takes the fused kernels (``grad_scale`` and ``found_inf``
+    as ``torch.amp.GradScaler`` sets them on the optimizer).
+    """
+    hp = _kernels.QHMHyperparameters(
+        _to_scalar(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize
+    )
+    if fused:
+        _fused.fused_qhm(
+            params, grads, momentum_buffers, hp, grad_scale=grad_scale, found_inf=found_inf
+        )
+        return
+    if foreach is None:
+        foreach = default_foreach(params, differentiable)
+    func = _multi_tensor_qhm if foreach else _single_tensor_qhm
+    func(params, grads, momentum_buffers, hp, capturable=capturable, differentiable=differentiable)

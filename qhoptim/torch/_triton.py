@@ -1,0 +1,257 @@
+r"""Fused QHM and QHAdam steps on CUDA: Triton kernels over whole tensor lists.
+
+One launch covers every tensor of a device-and-dtype group: a table lists, for
+each block of ``_BLOCK`` elements, its tensor and its offset, and each program
+reads the tensors' addresses from the table and makes one pass over its block
+-- parameter, gradient and state read once, parameter and state written once.
+
+The coefficients come from :mod:`qhoptim.rules` through the kernel layer: for
+QHAdam they are evaluated on the device from the step counts
+(:func:`qhoptim.torch._kernels.device_coefficients`), one row per tensor, and a
+tensor ``lr`` is read on the device, so a step reads nothing back to the host
+and can be captured in a CUDA graph. ``grad_scale`` and ``found_inf`` of
+``torch.amp.GradScaler`` are read by the kernel: gradients are unscaled in
+registers, and a step with an inf is skipped (state and step counts included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from qhoptim import rules
+from qhoptim.torch import _kernels
+
+__all__ = ["qhadam_", "qhm_"]
+
+_BLOCK = 2048
+_FORMS = {rules.Denominator.EXP_AVG_SQ: 0, rules.Denominator.GRAD: 1, rules.Denominator.MIX: 2}
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+# Tables of tensor addresses and blocks, kept while the tensors stay put (a
+# CUDA graph replays the captured table; grads reallocated each step rebuild it).
+_TABLES: dict[tuple[Any, ...], tuple[Tensor, ...]] = {}
+_MAX_TABLES = 64
+
+
+def _table(lists: list[list[Tensor]]) -> tuple[Tensor, ...]:
+    """``(addresses [lists, tensors], numels, block_tensor, block_start)`` on the device."""
+    first = lists[0]
+    key = tuple((t.data_ptr(), t.numel()) for ts in lists for t in ts)
+    table = _TABLES.get(key)
+    if table is not None:
+        return table
+    device = first[0].device
+    block_tensor, block_start = [], []
+    for i, t in enumerate(first):
+        for start in range(0, t.numel(), _BLOCK):
+            block_tensor.append(i)
+            block_start.append(start)
+    table = (
+        torch.tensor(
+            [[t.data_ptr() for t in ts] for ts in lists], dtype=torch.int64, device=device
+        ),
+        torch.tensor([t.numel() for t in first], dtype=torch.int64, device=device),
+        torch.tensor(block_tensor, dtype=torch.int32, device=device),
+        torch.tensor(block_start, dtype=torch.int64, device=device),
+    )
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = table
+    return table
+
+
+@triton.jit
+def _lerp(start, end, weight):
+    # torch.lerp's formula, so that the fused moments round as the foreach ones.
+    return tl.where(
+        weight < 0.5, start + weight * (end - start), end - (end - start) * (1 - weight)
+    )
+
+
+@triton.jit
+def _qhm_kernel(
+    addrs, numels, block_tensor, block_start, n_tensors,
+    lr_ptr, scale_ptr, inf_ptr,
+    lr, grad_multiplier, coupled_weight_decay, decoupled_weight_decay,
+    grad_to_buffer, buffer_weight, grad_weight,
+    LR_ON_DEVICE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+    DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if HAS_INF:
+        if tl.load(inf_ptr) != 0:
+            return
+    t = tl.load(block_tensor + pid)
+    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(numels + t)
+    p_ptr = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
+    g_ptr = tl.load(addrs + n_tensors + t).to(tl.pointer_type(DTYPE))
+    b_ptr = tl.load(addrs + 2 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    if LR_ON_DEVICE:
+        alpha = tl.load(lr_ptr).to(COMPUTE)
+    else:
+        alpha = lr
+    p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
+    g = tl.load(g_ptr + offs, mask=mask).to(COMPUTE) * grad_multiplier
+    if HAS_SCALE:
+        g = g / tl.load(scale_ptr).to(COMPUTE)
+    g = g + coupled_weight_decay * p
+    b = _lerp(tl.load(b_ptr + offs, mask=mask).to(COMPUTE), g, grad_to_buffer)
+    p = p * (1 - alpha * decoupled_weight_decay) - alpha * (buffer_weight * b + grad_weight * g)
+    tl.store(b_ptr + offs, b.to(DTYPE), mask=mask)
+    tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _qhadam_kernel(
+    addrs, numels, block_tensor, block_start, n_tensors, coefficients,
+    scale_ptr, inf_ptr,
+    grad_multiplier, coupled_weight_decay, exp_avg_lerp, beta2, one_minus_beta2,
+    FORM: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+    DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if HAS_INF:
+        if tl.load(inf_ptr) != 0:
+            return
+    t = tl.load(block_tensor + pid)
+    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(numels + t)
+    p_ptr = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
+    g_ptr = tl.load(addrs + n_tensors + t).to(tl.pointer_type(DTYPE))
+    m_ptr = tl.load(addrs + 2 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    s_ptr = tl.load(addrs + 3 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    # One row per tensor: FoldedQHAdam's weights, eps and values, and the decay factor.
+    row = coefficients + 6 * t
+    exp_avg_sq_weight = tl.load(row).to(COMPUTE)
+    grad_sq_weight = tl.load(row + 1).to(COMPUTE)
+    eps = tl.load(row + 2).to(COMPUTE)
+    exp_avg_value = tl.load(row + 3).to(COMPUTE)
+    grad_value = tl.load(row + 4).to(COMPUTE)
+    decay = tl.load(row + 5).to(COMPUTE)
+    p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
+    g = tl.load(g_ptr + offs, mask=mask).to(COMPUTE) * grad_multiplier
+    if HAS_SCALE:
+        g = g / tl.load(scale_ptr).to(COMPUTE)
+    g = g + coupled_weight_decay * p
+    m = _lerp(tl.load(m_ptr + offs, mask=mask).to(COMPUTE), g, exp_avg_lerp)
+    s = beta2 * tl.load(s_ptr + offs, mask=mask).to(COMPUTE) + one_minus_beta2 * g * g
+    if FORM == 0:
+        base = tl.sqrt(exp_avg_sq_weight * s)
+    elif FORM == 1:
+        base = tl.sqrt(grad_sq_weight * (g * g))
+    else:
+        base = tl.sqrt(exp_avg_sq_weight * s + grad_sq_weight * (g * g))
+    p = p * decay + (exp_avg_value * m + grad_value * g) / (base + eps)
+    tl.store(m_ptr + offs, m.to(DTYPE), mask=mask)
+    tl.store(s_ptr + offs, s.to(DTYPE), mask=mask)
+    tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
+
+
+def _launch_args(
+    params: list[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None
+) -> dict[str, Any]:
+    dtype = params[0].dtype
+    return {
+        "scale_ptr": grad_scale if grad_scale is not None else params[0],
+        "inf_ptr": found_inf if found_inf is not None else params[0],
+        "HAS_SCALE": grad_scale is not None,
+        "HAS_INF": found_inf is not None,
+        "DTYPE": _TL_DTYPES[dtype],
+        "COMPUTE": tl.float64 if dtype == torch.float64 else tl.float32,
+        "BLOCK": _BLOCK,
+    }
+
+
+def _check(params: list[Tensor], *others: list[Tensor]) -> None:
+    for ts in (params, *others):
+        for t in ts:
+            if not t.is_contiguous() or t.dtype != params[0].dtype:
+                raise RuntimeError(
+                    "fused=True on CUDA needs contiguous parameters, gradients and state "
+                    "of the parameter's dtype"
+                )
+
+
+def qhm_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    hp: _kernels.QHMHyperparameters,
+    *,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """One fused QHM step over CUDA tensors of one device and dtype."""
+    _check(params, grads, momentum_buffers)
+    c = rules.qhm_coefficients(hp.momentum, hp.nu)
+    addrs, numels, block_tensor, block_start = _table([params, grads, momentum_buffers])
+    lr_on_device = isinstance(hp.lr, Tensor)
+    coupled = 0.0 if hp.decoupled_weight_decay else hp.weight_decay
+    decoupled = hp.weight_decay if hp.decoupled_weight_decay else 0.0
+    _qhm_kernel[(block_tensor.numel(),)](
+        addrs,
+        numels,
+        block_tensor,
+        block_start,
+        len(params),
+        hp.lr.to(params[0].device) if lr_on_device else params[0],
+        lr=0.0 if lr_on_device else float(hp.lr),
+        grad_multiplier=-1.0 if hp.maximize else 1.0,
+        coupled_weight_decay=coupled,
+        decoupled_weight_decay=decoupled,
+        grad_to_buffer=c.grad_to_buffer,
+        buffer_weight=c.buffer_weight,
+        grad_weight=c.grad_weight,
+        LR_ON_DEVICE=lr_on_device,
+        **_launch_args(params, grad_scale, found_inf),
+    )
+
+
+def qhadam_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    state_steps: list[Tensor],
+    hp: _kernels.QHAdamHyperparameters,
+    *,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """One fused QHAdam step over CUDA tensors of one device and dtype.
+
+    ``state_steps`` (on the device) are incremented here; a step GradScaler
+    found an inf in takes them back, as torch's fused Adam does.
+    """
+    _check(params, grads, exp_avgs, exp_avg_sqs)
+    torch._foreach_add_(state_steps, 1)
+    if found_inf is not None:
+        torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
+    coefficients = _kernels.device_coefficients(state_steps, params[0], hp)
+    addrs, numels, block_tensor, block_start = _table([params, grads, exp_avgs, exp_avg_sqs])
+    _qhadam_kernel[(block_tensor.numel(),)](
+        addrs,
+        numels,
+        block_tensor,
+        block_start,
+        len(params),
+        coefficients,
+        grad_multiplier=-1.0 if hp.maximize else 1.0,
+        coupled_weight_decay=0.0 if hp.decoupled_weight_decay else hp.weight_decay,
+        exp_avg_lerp=1 - hp.beta1,
+        beta2=hp.beta2,
+        one_minus_beta2=1 - hp.beta2,
+        FORM=_FORMS[rules.qhadam_denominator(hp.nu2)],
+        **_launch_args(params, grad_scale, found_inf),
+    )

@@ -1,0 +1,283 @@
+"""The wheel: it holds every module of the source tree and imports on its own.
+
+A wheel is built from a copy of the checkout (so the build writes no
+``build/`` or ``*.egg-info`` into it and cannot pick up a stale ``build/lib``),
+installed with ``pip install --target`` into a scratch directory, and imported
+in a fresh interpreter that cannot see the checkout:
+
+* ``python -I``: no ``PYTHONPATH``, no user site-packages, no script directory
+  or cwd on ``sys.path`` -- and the cwd is a scratch directory anyway;
+* the environment's own site-packages stay, so the installed frameworks
+  (torch, keras, optax) remain importable; an *editable* install of qhoptim
+  there (``pip install -e .``, as every nox session does) is switched off by
+  dropping its meta-path finder and any path entry that is the checkout;
+* every imported module's ``__file__`` must lie in the scratch directory, so
+  a module missing from the wheel cannot be found anywhere else unnoticed.
+
+The core modules are checked in every environment. Each backend is checked
+where its framework is installed (``test_backend_imports_from_the_wheel``,
+skipped with the reason otherwise); where it is not, importing the backend
+must raise ``ImportError`` for the framework
+(``test_backend_without_its_framework_raises_import_error``). The backend
+sessions run their part through ``tests/<backend>/`` (e.g.
+``tests/optax/test_optax_packaging.py``), which reuses the helpers here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "qhoptim"
+
+CORE_MODULES = (
+    "qhoptim",
+    "qhoptim.rules",
+    "qhoptim.validation",
+    "qhoptim.convert",
+    "qhoptim.analysis",
+    "qhoptim.reference",
+)
+# Each backend module -> the top-level packages it needs (its extra's).
+BACKENDS: dict[str, tuple[str, ...]] = {
+    "qhoptim.torch": ("torch",),
+    "qhoptim.pyt": ("torch",),
+    "qhoptim.keras": ("keras",),
+    "qhoptim.optax": ("jax", "optax"),
+}
+
+# Runs in the isolated interpreter: argv = [site, repo, module, ...]; prints
+# {module: {"file": ...} | {"error": type, "message": ..., "name": ...}}.
+_PROBE = r"""
+import importlib, importlib.metadata, json, os, sys
+
+site, repo, modules = sys.argv[1], os.path.realpath(sys.argv[2]), sys.argv[3:]
+
+
+def _module_of(obj):
+    return getattr(obj if isinstance(obj, type) else type(obj), "__module__", "") or ""
+
+
+# An editable install of qhoptim (a meta-path finder, or a path entry that is
+# the checkout) must not stand in for a module the wheel lacks.
+sys.meta_path[:] = [f for f in sys.meta_path if not _module_of(f).startswith("__editable__")]
+sys.path_hooks[:] = [h for h in sys.path_hooks if not _module_of(h).startswith("__editable__")]
+sys.path[:] = [site] + [
+    p for p in sys.path if p and "__editable__" not in p and os.path.realpath(p) != repo
+]
+sys.path_importer_cache.clear()
+
+try:
+    version = importlib.metadata.version("qhoptim")
+except importlib.metadata.PackageNotFoundError:
+    version = None
+out = {"version": version, "modules": {}}
+for name in modules:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        out["modules"][name] = {"error": type(e).__name__, "message": str(e), "name": e.name}
+    else:
+        out["modules"][name] = {"file": module.__file__}
+print("QHOPTIM-PROBE", json.dumps(out))
+"""
+
+
+class Wheel(NamedTuple):
+    path: Path
+    site: Path  # where it is installed (``pip install --target``)
+
+
+def _pip(*args: str, cwd: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "--no-cache-dir"]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def _has_build_backend() -> bool:
+    # pyproject's [build-system] requires setuptools>=68.
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return int(version.split(".")[0]) >= 68
+
+
+def build_and_install(tmp: Path) -> Wheel:
+    """Build the wheel from a copy of the checkout and install it under ``tmp/site``."""
+    src = tmp / "src"
+    src.mkdir()
+    for item in REPO.iterdir():  # pyproject.toml, README.md, any other top-level file
+        if item.is_file():
+            shutil.copy2(item, src / item.name)
+    shutil.copytree(PACKAGE, src / "qhoptim", ignore=shutil.ignore_patterns("__pycache__"))
+    dist = tmp / "dist"
+    # With setuptools in this environment the build needs no network; otherwise
+    # pip fetches the build backend into an isolated environment.
+    isolation = ["--no-build-isolation"] if _has_build_backend() else []
+    _pip("wheel", "--no-deps", *isolation, "-w", str(dist), str(src), cwd=tmp)
+    (wheel,) = dist.glob("qhoptim-*.whl")
+    site = tmp / "site"
+    _pip(
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--no-compile",
+        "--target",
+        str(site),
+        str(wheel),
+        cwd=tmp,
+    )
+    return Wheel(wheel, site)
+
+
+def import_from_wheel(wheel: Wheel, modules: list[str], cwd: Path) -> dict[str, object]:
+    """Import ``modules`` in an isolated interpreter that sees only the installed wheel."""
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", _PROBE, str(wheel.site), str(REPO), *modules],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # A framework may print on import; the probe's line is marked.
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("QHOPTIM-PROBE ")]
+    result: dict[str, object] = json.loads(line.removeprefix("QHOPTIM-PROBE "))
+    return result
+
+
+def assert_imported_from_wheel(wheel: Wheel, result: dict[str, object], module: str) -> None:
+    modules = result["modules"]
+    assert isinstance(modules, dict)
+    outcome = modules[module]
+    assert "file" in outcome, f"import {module} from the wheel failed: {outcome}"
+    file = Path(outcome["file"]).resolve()
+    assert file.is_relative_to(wheel.site.resolve()), f"{module} came from {file}"
+
+
+def assert_import_error_names_framework(
+    result: dict[str, object], module: str, frameworks: tuple[str, ...]
+) -> None:
+    modules = result["modules"]
+    assert isinstance(modules, dict)
+    outcome = modules[module]
+    assert "error" in outcome, f"{module} imported without {frameworks}: {outcome}"
+    # The error is about a framework, not about the backend module missing
+    # from the wheel (that would be ModuleNotFoundError naming qhoptim.*).
+    assert not str(outcome["name"] or "").startswith("qhoptim"), outcome
+    assert any(f in outcome["message"] or outcome["name"] == f for f in frameworks), outcome
+
+
+def frameworks_installed(module: str) -> bool:
+    """Whether every framework the backend ``module`` needs is importable here."""
+    return all(framework_installed(f) for f in BACKENDS[module])
+
+
+@functools.cache
+def framework_installed(framework: str) -> bool:
+    """Whether ``framework`` is importable in this environment.
+
+    Asked of an isolated interpreter: in pytest's own process ``tests/`` is on
+    ``sys.path``, where ``tests/optax/`` etc. pass for namespace packages.
+    """
+    code = "import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]) is not None)"
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", code, framework],
+        cwd=Path(tempfile.gettempdir()),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return proc.stdout.strip() == "True"
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Wheel:
+    return build_and_install(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A working directory outside the checkout."""
+    assert not tmp_path.resolve().is_relative_to(REPO)
+    return tmp_path
+
+
+def test_wheel_holds_every_source_module_and_py_typed(wheel: Wheel) -> None:
+    with zipfile.ZipFile(wheel.path) as zf:
+        names = set(zf.namelist())
+    # Python modules and the C++ source of the fused CPU kernel (compiled on first use).
+    sources = {
+        p.relative_to(REPO).as_posix()
+        for pattern in ("*.py", "*.cpp")
+        for p in PACKAGE.rglob(pattern)
+        if "__pycache__" not in p.parts
+    }
+    assert {"qhoptim/__init__.py", "qhoptim/rules.py"} <= sources
+    missing = sorted(sources - names)
+    assert not missing, f"modules missing from the wheel: {missing}"
+    assert "qhoptim/py.typed" in names
+    # Nothing but the package itself: no tests/, conformance/, benchmarks/.
+    strays = sorted(n for n in names if n.split("/")[0] != "qhoptim" and ".dist-info/" not in n)
+    assert not strays, strays
+
+
+def test_core_modules_import_from_the_wheel(wheel: Wheel, outside: Path) -> None:
+    result = import_from_wheel(wheel, list(CORE_MODULES), outside)
+    for module in CORE_MODULES:
+        assert_imported_from_wheel(wheel, result, module)
+    from qhoptim import __version__
+
+    assert result["version"] == __version__
+
+
+@pytest.mark.parametrize("module", list(BACKENDS))
+def test_backend_imports_from_the_wheel(wheel: Wheel, outside: Path, module: str) -> None:
+    if not frameworks_installed(module):
+        missing = ", ".join(f for f in BACKENDS[module] if not framework_installed(f))
+        pytest.skip(f"{missing} not installed here; {module} is checked where it is")
+    result = import_from_wheel(wheel, [module], outside)
+    assert_imported_from_wheel(wheel, result, module)
+
+
+@pytest.mark.parametrize("module", list(BACKENDS))
+def test_backend_without_its_framework_raises_import_error(
+    wheel: Wheel, outside: Path, module: str
+) -> None:
+    if frameworks_installed(module):
+        needs = " and ".join(BACKENDS[module])
+        pytest.skip(f"{needs} installed here: test_backend_imports_from_the_wheel checks {module}")
+    result = import_from_wheel(wheel, [module], outside)
+    missing = tuple(f for f in BACKENDS[module] if not framework_installed(f))
+    assert_import_error_names_framework(result, module, missing)
+
+
+def test_isolated_interpreter_sees_neither_checkout_nor_editable_install(outside: Path) -> None:
+    # With an empty "site", qhoptim must be unimportable: neither the checkout
+    # (conformance/ lives only there) nor an editable install of qhoptim leaks in.
+    empty = outside / "empty-site"
+    empty.mkdir()
+    result = import_from_wheel(
+        Wheel(outside / "none.whl", empty), ["qhoptim", "conformance"], outside
+    )
+    modules = result["modules"]
+    assert isinstance(modules, dict)
+    assert modules["qhoptim"].get("name") == "qhoptim", modules
+    assert modules["conformance"].get("name") == "conformance", modules

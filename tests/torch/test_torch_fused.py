@@ -1,0 +1,225 @@
+"""``fused=True``: the one-pass kernels against the multi-tensor ones and the reference.
+
+On CPU the fused kernels are a C++ extension compiled on first use (once per
+machine: torch keeps it under TORCH_EXTENSIONS_DIR); the CUDA (Triton) twins of
+these tests are in test_torch_cuda.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from qh_torch_testing import assert_trajectories_close, random_grads, reference_trajectory
+
+from qhoptim.torch import QHM, QHAdam, QHAdamW
+
+F32, F64 = torch.float32, torch.float64
+SHAPES = [(4, 3), (7,), (2, 3, 5), (1,)]
+
+CONFIGS: list[tuple[type, dict[str, Any]]] = [
+    (QHM, {"lr": 0.5, "momentum": 0.9, "nu": 0.7}),
+    (QHM, {"lr": 0.5, "nu": 1.3, "weight_decay": 0.1, "maximize": True}),
+    (QHM, {"lr": 0.5, "nu": 0.0, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (QHAdam, {"lr": 0.01, "nus": (0.7, 1.0), "betas": (0.995, 0.999)}),
+    (QHAdam, {"lr": 0.01, "nus": (0.8, 0.7), "weight_decay": 0.1, "eps": 1e-3}),
+    (QHAdam, {"lr": 0.01, "nus": (-0.2, 0.0), "maximize": True}),
+    (QHAdam, {"lr": 0.01, "nus": (1.0, 1.0), "eps": 0.0}),
+    (QHAdamW, {"lr": 0.01, "nus": (0.7, 0.9), "weight_decay": 0.1}),
+]
+IDS = [f"{cls.__name__}-{i}" for i, (cls, _) in enumerate(CONFIGS)]
+
+
+def _params(dtype: torch.dtype = F64, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in SHAPES]
+
+
+def _run(opt: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> list[Any]:
+    out = []
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.to(p.dtype).clone()
+        opt.step()
+        out.append([p.detach().clone() for p in params])
+    return out
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_fused_follows_the_float64_reference(cls: type, kwargs: dict[str, Any]) -> None:
+    params = _params()
+    params0 = [p.detach().clone() for p in params]
+    grads = random_grads(SHAPES, 25)
+    got = _run(cls(params, **kwargs, fused=True), params, grads)
+    want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
+    assert_trajectories_close([[t.numpy() for t in step] for step in got], want, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_fused_equals_foreach_to_rounding_over_100_float32_steps(
+    cls: type, kwargs: dict[str, Any]
+) -> None:
+    grads = random_grads(SHAPES, 100)
+    runs = {}
+    for impl in ({"fused": True}, {"foreach": True}):
+        params = _params(F32)
+        runs[str(impl)] = _run(cls(params, **kwargs, **impl), params, grads)
+    for fused, foreach in zip(*runs.values(), strict=True):
+        for a, b in zip(fused, foreach, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[1], CONFIGS[4], CONFIGS[7]], ids=IDS[:3])
+@pytest.mark.parametrize("direction", ["fused->foreach", "foreach->fused"])
+def test_state_dict_moves_between_fused_and_foreach(
+    cls: type, kwargs: dict[str, Any], direction: str
+) -> None:
+    first, second = (
+        ({"fused": True}, {"foreach": True})
+        if direction == "fused->foreach"
+        else ({"foreach": True}, {"fused": True})
+    )
+    grads = random_grads(SHAPES, 10)
+    params = _params()
+    opt = cls(params, **kwargs, **first)
+    _run(opt, params, grads[:5])
+    saved, saved_params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
+    straight = _run(opt, params, grads[5:])
+
+    resumed_params = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    resumed = cls(resumed_params, **kwargs, **second)
+    resumed.load_state_dict(saved)
+    # As in torch, a loaded state dict brings its groups' flags; switching the
+    # implementation is then a matter of setting them.
+    assert resumed.param_groups[0]["fused"] == first.get("fused")
+    for group in resumed.param_groups:
+        group.update(fused=second.get("fused"), foreach=second.get("foreach"))
+    continued = _run(resumed, resumed_params, grads[5:])
+    for a_step, b_step in zip(continued, straight, strict=True):
+        for a, b in zip(a_step, b_step, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+
+
+def test_param_groups_with_their_own_hyperparameters() -> None:
+    grads = random_grads(SHAPES, 8)
+    runs = []
+    for impl in ({"fused": True}, {"foreach": True}):
+        params = _params()
+        groups = [
+            {"params": params[:2]},
+            {"params": params[2:], "lr": 0.05, "nus": (0.5, 0.5), "weight_decay": 0.2},
+        ]
+        runs.append(_run(QHAdam(groups, lr=0.01, **impl), params, grads))
+    for a_step, b_step in zip(*runs, strict=True):
+        for a, b in zip(a_step, b_step, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("cls", [QHM, QHAdam])
+def test_tensor_lr_and_strided_params(cls: type) -> None:
+    grads = random_grads([(3, 4)], 6)
+    runs = []
+    for lr, impl in ((torch.tensor(0.01, dtype=F64), {"fused": True}), (0.01, {"foreach": True})):
+        base = torch.randn(4, 3, generator=torch.Generator().manual_seed(1), dtype=F64)
+        param = torch.nn.Parameter(base.t())  # non-contiguous
+        runs.append(_run(cls([param], lr=lr, **impl), [param], grads))
+        assert not param.is_contiguous()
+    for a_step, b_step in zip(*runs, strict=True):
+        torch.testing.assert_close(a_step[0], b_step[0], rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[0], CONFIGS[4]], ids=IDS[:2])
+def test_low_precision_params_are_computed_in_float32(
+    cls: type, kwargs: dict[str, Any], dtype: torch.dtype
+) -> None:
+    # One step from the same low-precision values: the fused step computes in
+    # float32 and rounds once, so it is the float32 step rounded to ``dtype``.
+    low = _params(dtype)
+    high = [torch.nn.Parameter(p.detach().float()) for p in low]
+    grads = random_grads(SHAPES, 1)
+    got = _run(cls(low, **kwargs, fused=True), low, [[g.to(dtype) for g in grads[0]]])
+    want = _run(cls(high, **kwargs, foreach=True), high, [[g.to(dtype).float() for g in grads[0]]])
+    for a, b in zip(got[0], want[0], strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b.to(dtype), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ GradScaler
+@pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[2], CONFIGS[5], CONFIGS[7]], ids=IDS[:3])
+def test_grad_scaler_unscales_inside_the_step_and_skips_infs(
+    cls: type, kwargs: dict[str, Any]
+) -> None:
+    # GradScaler hands a fused optimizer grad_scale and found_inf instead of
+    # unscaling the grads itself: the step must equal an unscaled step, and a
+    # step with an inf gradient must leave parameters and state untouched.
+    scaled_params, plain_params = _params(F32), _params(F32)
+    scaled = cls(scaled_params, **kwargs, fused=True)
+    plain = cls(plain_params, **kwargs, fused=True)
+    assert scaled._step_supports_amp_scaling
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    grads = random_grads(SHAPES, 6)
+    for t, step_grads in enumerate(grads):
+        inf_step = t == 3
+        for p, g in zip(scaled_params, step_grads, strict=True):
+            p.grad = scaler.scale(g.float()).clone()  # as backward() of a scaled loss
+        if inf_step:
+            scaled_params[1].grad[0] = torch.inf
+            before = (
+                [p.detach().clone() for p in scaled_params],
+                copy.deepcopy(scaled.state_dict()["state"]),
+            )
+        scaler.step(scaled)
+        scaler.update()
+        assert not hasattr(scaled, "grad_scale")  # GradScaler removes what it set
+        if inf_step:
+            for p, b in zip(scaled_params, before[0], strict=True):
+                torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
+            after = scaled.state_dict()["state"]
+            for key, state in before[1].items():
+                for name, value in state.items():
+                    torch.testing.assert_close(after[key][name], value, rtol=0, atol=0)
+            continue
+        for p, g in zip(plain_params, step_grads, strict=True):
+            p.grad = g.float().clone()
+        plain.step()
+        for a, b in zip(scaled_params, plain_params, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert scaler.get_scale() == 2.0**9  # halved once, at the inf
+
+
+# ------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("cls", [QHM, QHAdam, QHAdamW])
+def test_fused_refuses_what_it_cannot_do(cls: type) -> None:
+    with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+        cls(_params(), lr=0.1, fused=True, foreach=True)
+    with pytest.raises(RuntimeError, match="`fused` does not support `differentiable`"):
+        cls(_params(), lr=0.1, fused=True, differentiable=True)
+    complex_param = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(RuntimeError, match="floating point Tensors of supported devices"):
+        cls([complex_param], lr=0.1, fused=True)
+    sparse = torch.nn.Parameter(torch.randn(3, 2))
+    opt = cls([sparse], lr=0.1, fused=True)
+    sparse.grad = torch.randn(3, 2).to_sparse()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+
+
+def test_fused_none_keeps_the_default_implementation() -> None:
+    opt = QHAdam(_params(), fused=None)
+    assert opt.defaults["fused"] is None
+    assert not getattr(opt, "_step_supports_amp_scaling", False)
+
+
+def test_fused_qhadam_keeps_its_step_count_on_the_param_device_as_float32() -> None:
+    params = _params()
+    opt = QHAdam(params, fused=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()
+    for p in params:
+        step = opt.state[p]["step"]
+        assert step.dtype == F32 and step.device == p.device and float(step) == 2.0
