@@ -4,6 +4,12 @@ Usage::
 
     python -m benchmarks.torch_step [--steps 30] [--warmup 5] [--qhoptim-110 DIR]
                                     [--shapes resnet18 small] [--device cpu] [--threads N]
+    python -m benchmarks.torch_step --scale [--sizes 1e6 1e7 1e8] [--device cpu]
+
+``--scale`` times the fused steps on one flat tensor of each size instead, with
+the bandwidth each achieves (the bytes a step must move -- 20 per float32
+parameter for SGD-Nesterov and QHM, 28 for Adam and QHAdam -- over its time)
+beside a plain copy's (8 bytes per element), measured in the same interleaved run.
 
 Two parameter sets (``benchmarks/shapes.py``): the 62 tensors of torchvision's
 ResNet-18 (11,689,512 float32 values) and 500 tensors of 1,000 values. For each
@@ -17,7 +23,9 @@ into (``pip install --no-deps --target DIR qhoptim==1.1.0``).
 
 The targets: QHM <= 1.0x and QHAdam <= 1.15x torch's fastest *non-fused*
 implementation of SGD-Nesterov / Adam on the same parameters; the default
-(``foreach=None``) should be the faster of qhoptim's two implementations.
+(``foreach=None``) should be the faster of qhoptim's two implementations; and
+``fused=True``: QHM <= 1.0x torch's fused SGD-Nesterov, QHAdam <= 1.05x
+torch's fused Adam.
 """
 
 from __future__ import annotations
@@ -77,6 +85,9 @@ def candidates(
         "QHAdam default": lambda p: QHAdam(p, **QHADAM_KW),
         "QHAdam nu2<1 loop": lambda p: QHAdam(p, **QHADAM_NU2_KW, foreach=False),
         "QHAdam nu2<1 foreach": lambda p: QHAdam(p, **QHADAM_NU2_KW, foreach=True),
+        "QHM fused": lambda p: QHM(p, **QHM_KW, fused=True),
+        "QHAdam fused": lambda p: QHAdam(p, **QHADAM_KW, fused=True),
+        "QHAdam nu2<1 fused": lambda p: QHAdam(p, **QHADAM_NU2_KW, fused=True),
     }
     if device.startswith("cuda"):
         # capturable=True (CUDA graphs) with a tensor lr on the device, as graph
@@ -161,10 +172,63 @@ def report(shape_name: str, ms: dict[str, float]) -> list[str]:
     for opt in ("QHM", "QHAdam"):
         faster = "loop" if ms[f"{opt} loop"] < ms[f"{opt} foreach"] else "foreach"
         lines.append(f"{opt}: faster implementation here: {faster}")
+    lines += fused_ratios(ms)
     if "torch Adam capturable foreach" in ms and "QHAdam capturable foreach" in ms:
         ratio = ms["QHAdam capturable foreach"] / ms["torch Adam capturable foreach"]
         lines.append(f"QHAdam capturable foreach / torch Adam capturable foreach = {ratio:.2f}x")
     return lines
+
+
+def fused_ratios(ms: dict[str, float]) -> list[str]:
+    """QH fused / torch fused, against their targets."""
+    lines = []
+    for qh, torch_name, target in (
+        ("QHM fused", "torch SGD-nesterov fused", 1.0),
+        ("QHAdam fused", "torch Adam fused", 1.05),
+        ("QHAdam nu2<1 fused", "torch Adam fused", 1.05),
+    ):
+        if qh in ms and torch_name in ms:
+            lines.append(
+                f"{qh} / {torch_name} = {ms[qh] / ms[torch_name]:.2f}x (target <= {target:.2f}x)"
+            )
+    return lines
+
+
+class _Copy:
+    """A plain ``param.copy_(grad)``: the bandwidth a step can reach on this machine."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+
+    def step(self) -> None:
+        for p in self.params:
+            p.detach().copy_(p.grad)  # type: ignore[arg-type]
+
+
+# Bytes a step must move per element (read + write), float32 (shared/guides).
+_BYTES = {
+    "copy": 8,
+    "torch SGD-nesterov fused": 20,
+    "QHM fused": 20,
+    "torch Adam fused": 28,
+    "QHAdam fused": 28,
+    "QHAdam nu2<1 fused": 28,
+}
+
+
+def scale(sizes: list[int], *, steps: int, warmup: int, device: str) -> None:
+    """Fused steps on one flat tensor per size: ratios and achieved bandwidth."""
+    fused = {n: m for n, m in candidates(None, device).items() if n.endswith("fused")}
+    makers: dict[str, Any] = {"copy": _Copy, **fused}
+    for n in sizes:
+        ms = time_steps(makers, [(n,)], steps=steps, warmup=warmup, device=device)
+        print(f"\n### one tensor of {n:,} float32 values\n")
+        print("| step | ms/step | GB/s moved | vs copy's bandwidth |\n|---|---:|---:|---:|")
+        copy_bw = _BYTES["copy"] * n / (ms["copy"] * 1e-3) / 1e9
+        for name, t in ms.items():
+            bw = _BYTES[name] * n / (t * 1e-3) / 1e9
+            print(f"| {name} | {t:.2f} | {bw:.1f} | {bw / copy_bw:.2f} |")
+        print("\n" + "\n".join(fused_ratios(ms)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--qhoptim-110", type=Path, help="directory qhoptim 1.1.0 is installed in")
     parser.add_argument("--only", nargs="+", help="time only optimizers whose name contains one")
+    parser.add_argument("--scale", action="store_true", help="fused steps on flat tensors")
+    parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 1e8])
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, "
         f"median of {args.steps} interleaved steps after {args.warmup} warm-up steps"
     )
+    if args.scale:
+        sizes = [int(s) for s in args.sizes]
+        scale(sizes, steps=args.steps, warmup=args.warmup, device=args.device)
+        return 0
     for shape_name in args.shapes:
         makers = candidates(qh110, args.device)
         if args.only:

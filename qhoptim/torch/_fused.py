@@ -75,11 +75,20 @@ def _cpu_extension() -> Any:
             + " and ".join(missing)
             + "; install them, or use fused=False (the multi-tensor kernels)."
         )
+    # The vector width torch found this CPU to have (it dispatches its own
+    # kernels likewise): AVX2 and FMA where present, else the compiler's baseline.
+    # The kernel is built on the machine that runs it, under a name per width.
+    wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     try:
         return cpp_extension.load(
-            name="qhoptim_fused_cpu",
+            name="qhoptim_fused_cpu" + ("_avx2" if wide else ""),
             sources=[str(_CSRC)],
-            extra_cflags=["-O3", "-fno-math-errno"],
+            # OpenMP: at::parallel_for is inline, so without it the kernel would run on
+            # one thread; libgomp.so.1 resolves to the copy torch has already loaded.
+            # -std=c++20 (ISO) keeps FMA contraction off: the same rounding either way.
+            extra_cflags=["-O3", "-fno-math-errno", "-fopenmp"]
+            + (["-mavx2", "-mfma"] if wide else []),
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as error:  # the compiler's own failure, with its output
@@ -87,6 +96,19 @@ def _cpu_extension() -> Any:
             f"fused=True on CPU: compiling qhoptim's C++ kernel ({_CSRC.name}) failed; "
             f"use fused=False (the multi-tensor kernels). The build said: {error}"
         ) from error
+
+
+def _triton() -> Any:
+    """The Triton kernels (imported on first CUDA use: Triton ships with CUDA builds of torch)."""
+    try:
+        from qhoptim.torch import _triton as kernels
+    except ImportError as error:
+        raise RuntimeError(
+            f"fused=True on CUDA needs Triton, which is not installed ({error}); "
+            "it ships with torch's CUDA builds (`pip install triton`), "
+            "or use fused=False (the multi-tensor kernels)."
+        ) from error
+    return kernels
 
 
 def _skip(found_inf: Tensor | None) -> bool:
@@ -130,7 +152,15 @@ class _Contiguous:
             t.copy_(c)
 
 
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (FSDP2, tensor parallelism): the step is element-wise,
+    and a parameter, its gradient and its state share their placements."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
 def _groups(tensorlists: list[list[Tensor]]) -> list[tuple[torch.device, list[list[Tensor]]]]:
+    tensorlists = [[_local(t) for t in ts] for ts in tensorlists]
     grouped = Optimizer._group_tensors_by_device_and_dtype(tensorlists)  # type: ignore[arg-type]
     return [
         (cast(torch.device, device), [cast(list[Tensor], ts) for ts in lists])
@@ -149,21 +179,19 @@ def fused_qhm(
 ) -> None:
     """One fused QHM step (coefficients of :func:`qhoptim.rules.qhm_coefficients`)."""
     c = rules.qhm_coefficients(hp.momentum, hp.nu)
-    for device, (ps, gs, bufs) in _groups([params, grads, momentum_buffers]):
-        if device.type == "cuda":
-            from qhoptim.torch import _triton
-
-            _triton.qhm_(ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf)
-            continue
-        if _skip(found_inf):
-            continue
-        lr = float(hp.lr)
-        coupled, decay = _decay(hp, lr)
-        with _Contiguous(ps, gs, bufs) as (ps_, gs_, bufs_):
+    for device, lists in _groups([params, grads, momentum_buffers]):
+        with _Contiguous(*lists) as (ps, gs, bufs):
+            if device.type == "cuda":
+                _triton().qhm_(ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf)
+                continue
+            if _skip(found_inf):
+                continue
+            lr = float(hp.lr)
+            coupled, decay = _decay(hp, lr)
             _cpu_extension().qhm_(
-                ps_,
-                gs_,
-                bufs_,
+                ps,
+                gs,
+                bufs,
                 _grad_multiplier(hp, grad_scale),
                 coupled,
                 decay,
@@ -190,29 +218,28 @@ def fused_qhadam(
     unless GradScaler found an inf.
     """
     form = _FORMS[rules.qhadam_denominator(hp.nu2)]
-    for device, (ps, gs, ms, ss, ts) in _groups(
-        [params, grads, exp_avgs, exp_avg_sqs, state_steps]
-    ):
-        if device.type == "cuda":
-            from qhoptim.torch import _triton
-
-            _triton.qhadam_(ps, gs, ms, ss, ts, hp, grad_scale=grad_scale, found_inf=found_inf)
-            continue
-        if _skip(found_inf):
-            continue
-        torch._foreach_add_(ts, 1)
-        lr = float(hp.lr)
-        coupled, decay = _decay(hp, lr)
-        folds = [
-            _kernels.host_fold(float(t), lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps) for t in ts
-        ]
-        coefficients = torch.tensor([f[1:] for f in folds], dtype=torch.float64)
-        with _Contiguous(ps, gs, ms, ss) as (ps_, gs_, ms_, ss_):
+    for device, (*lists, steps) in _groups([params, grads, exp_avgs, exp_avg_sqs, state_steps]):
+        with _Contiguous(*lists) as (ps, gs, ms, ss):
+            if device.type == "cuda":
+                _triton().qhadam_(
+                    ps, gs, ms, ss, steps, hp, grad_scale=grad_scale, found_inf=found_inf
+                )
+                continue
+            if _skip(found_inf):
+                continue
+            torch._foreach_add_(steps, 1)
+            lr = float(hp.lr)
+            coupled, decay = _decay(hp, lr)
+            folds = [
+                _kernels.host_fold(float(t), lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps)
+                for t in steps
+            ]
+            coefficients = torch.tensor([f[1:] for f in folds], dtype=torch.float64)
             _cpu_extension().qhadam_(
-                ps_,
-                gs_,
-                ms_,
-                ss_,
+                ps,
+                gs,
+                ms,
+                ss,
                 coefficients,
                 form,
                 _grad_multiplier(hp, grad_scale),

@@ -229,13 +229,7 @@ def _times(lr: Any, weight: float) -> Coefficient:
 
 
 def decay_grads(
-    params: list[Tensor],
-    grads: list[Tensor],
-    *,
-    lr: Any,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
+    params: list[Tensor], grads: list[Tensor], hp: QHMHyperparameters | QHAdamHyperparameters
 ) -> list[Tensor]:
     """The gradients after ``maximize`` and weight decay (:func:`qhoptim.rules.weight_decay_terms`).
 
@@ -244,15 +238,15 @@ def decay_grads(
     coupled decay adds ``weight_decay * param`` to the gradients. The given
     gradients are never written to.
     """
-    if maximize:
+    if hp.maximize:
         grads = cast(list[Tensor], torch._foreach_neg(grads))
-    if weight_decay != 0:
-        if decoupled_weight_decay:
-            torch._foreach_mul_(params, rules.decoupled_decay_factor(lr, weight_decay))
-        elif maximize:  # reuse the negated copy
-            torch._foreach_add_(grads, params, alpha=weight_decay)
+    if hp.weight_decay != 0:
+        if hp.decoupled_weight_decay:
+            torch._foreach_mul_(params, rules.decoupled_decay_factor(hp.lr, hp.weight_decay))
+        elif hp.maximize:  # reuse the negated copy
+            torch._foreach_add_(grads, params, alpha=hp.weight_decay)
         else:
-            grads = cast(list[Tensor], torch._foreach_add(grads, params, alpha=weight_decay))
+            grads = cast(list[Tensor], torch._foreach_add(grads, params, alpha=hp.weight_decay))
     return grads
 
 
@@ -279,20 +273,11 @@ def qhm_(
     c = rules.qhm_coefficients(hp.momentum, hp.nu)
     buffer_value = _times(-hp.lr, c.buffer_weight) if c.buffer_weight != 0 else None
     grad_value = _times(-hp.lr, c.grad_weight) if c.grad_weight != 0 else None
-    decays = hp.maximize or hp.weight_decay != 0
     for chunk in _chunks(params, per_tensor):
         ps, gs, bufs = params[chunk], grads[chunk], momentum_buffers[chunk]
         if ps[0].is_complex():
             ps, gs, bufs = _real_views(ps, gs, bufs)
-        if decays:
-            gs = decay_grads(
-                ps,
-                gs,
-                lr=hp.lr,
-                weight_decay=hp.weight_decay,
-                decoupled_weight_decay=hp.decoupled_weight_decay,
-                maximize=hp.maximize,
-            )
+        gs = decay_grads(ps, gs, hp)
         torch._foreach_lerp_(bufs, gs, c.grad_to_buffer)
         if buffer_value is not None:
             _add_scaled_(ps, bufs, buffer_value)
@@ -431,19 +416,10 @@ def qhadam_(
             for step in set(cast(Sequence[float], steps))
         }
     (one_fold,) = host_folds.values() if len(host_folds) == 1 else (None,)
-    decays = hp.maximize or hp.weight_decay != 0
     exp_avg_weight, exp_avg_sq_weight = 1 - hp.beta1, 1 - hp.beta2
     for chunk in _chunks(params, per_tensor):
         ps, gs, ms, ss = params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk]
-        if decays:
-            gs = decay_grads(
-                ps,
-                gs,
-                lr=hp.lr,
-                weight_decay=hp.weight_decay,
-                decoupled_weight_decay=hp.decoupled_weight_decay,
-                maximize=hp.maximize,
-            )
+        gs = decay_grads(ps, gs, hp)
         grad_sqs = None
         if ps[0].is_complex():
             grad_sqs = [abs_sq(g) for g in gs]

@@ -28,7 +28,8 @@ from qhoptim.torch import _kernels
 
 __all__ = ["qhadam_", "qhm_"]
 
-_BLOCK = 2048
+_BLOCK = 1024  # elements per program (H200: 0.91x fused Adam at 1e8 vs 1.17x with 2048)
+_NUM_WARPS = 4
 _FORMS = {rules.Denominator.EXP_AVG_SQ: 0, rules.Denominator.GRAD: 1, rules.Denominator.MIX: 2}
 _TL_DTYPES = {
     torch.float32: tl.float32,
@@ -46,7 +47,7 @@ _MAX_TABLES = 64
 def _table(lists: list[list[Tensor]]) -> tuple[Tensor, ...]:
     """``(addresses [lists, tensors], numels, block_tensor, block_start)`` on the device."""
     first = lists[0]
-    key = tuple((t.data_ptr(), t.numel()) for ts in lists for t in ts)
+    key = (_BLOCK, *((t.data_ptr(), t.numel()) for ts in lists for t in ts))
     table = _TABLES.get(key)
     if table is not None:
         return table
@@ -80,57 +81,62 @@ def _lerp(start, end, weight):
 
 @triton.jit
 def _qhm_kernel(
-    addrs, numels, block_tensor, block_start, n_tensors,
-    lr_ptr, scale_ptr, inf_ptr,
-    lr, grad_multiplier, coupled_weight_decay, decoupled_weight_decay,
-    grad_to_buffer, buffer_weight, grad_weight,
+    addrs, numels, block_tensor, block_start, n_tensors, hyper, lr_ptr, scale_ptr, inf_ptr,
     LR_ON_DEVICE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
     DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    if HAS_INF:
-        if tl.load(inf_ptr) != 0:
-            return
     t = tl.load(block_tensor + pid)
     offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
     mask = offs < tl.load(numels + t)
+    if HAS_INF:  # GradScaler found an inf or NaN: nothing is written
+        mask = mask & (tl.load(inf_ptr) == 0)
     p_ptr = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
     g_ptr = tl.load(addrs + n_tensors + t).to(tl.pointer_type(DTYPE))
     b_ptr = tl.load(addrs + 2 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    # Host scalars, in COMPUTE precision (Python floats would reach Triton as float32).
+    grad_multiplier = tl.load(hyper)
+    coupled_weight_decay = tl.load(hyper + 1)
+    decoupled_weight_decay = tl.load(hyper + 2)
+    grad_to_buffer = tl.load(hyper + 3)
+    buffer_weight = tl.load(hyper + 4)
+    grad_weight = tl.load(hyper + 5)
     if LR_ON_DEVICE:
-        alpha = tl.load(lr_ptr).to(COMPUTE)
+        lr = tl.load(lr_ptr).to(COMPUTE)
     else:
-        alpha = lr
+        lr = tl.load(hyper + 6)
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = tl.load(g_ptr + offs, mask=mask).to(COMPUTE) * grad_multiplier
     if HAS_SCALE:
         g = g / tl.load(scale_ptr).to(COMPUTE)
     g = g + coupled_weight_decay * p
     b = _lerp(tl.load(b_ptr + offs, mask=mask).to(COMPUTE), g, grad_to_buffer)
-    p = p * (1 - alpha * decoupled_weight_decay) - alpha * (buffer_weight * b + grad_weight * g)
+    p = p * (1 - lr * decoupled_weight_decay) - lr * (buffer_weight * b + grad_weight * g)
     tl.store(b_ptr + offs, b.to(DTYPE), mask=mask)
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
 @triton.jit
 def _qhadam_kernel(
-    addrs, numels, block_tensor, block_start, n_tensors, coefficients,
-    scale_ptr, inf_ptr,
-    grad_multiplier, coupled_weight_decay, exp_avg_lerp, beta2, one_minus_beta2,
+    addrs, numels, block_tensor, block_start, n_tensors, coefficients, hyper, scale_ptr, inf_ptr,
     FORM: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
     DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    if HAS_INF:
-        if tl.load(inf_ptr) != 0:
-            return
     t = tl.load(block_tensor + pid)
     offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
     mask = offs < tl.load(numels + t)
+    if HAS_INF:  # GradScaler found an inf or NaN: nothing is written
+        mask = mask & (tl.load(inf_ptr) == 0)
     p_ptr = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
     g_ptr = tl.load(addrs + n_tensors + t).to(tl.pointer_type(DTYPE))
     m_ptr = tl.load(addrs + 2 * n_tensors + t).to(tl.pointer_type(DTYPE))
     s_ptr = tl.load(addrs + 3 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    grad_multiplier = tl.load(hyper)
+    coupled_weight_decay = tl.load(hyper + 1)
+    exp_avg_lerp = tl.load(hyper + 2)
+    beta2 = tl.load(hyper + 3)
+    one_minus_beta2 = tl.load(hyper + 4)
     # One row per tensor: FoldedQHAdam's weights, eps and values, and the decay factor.
     row = coefficients + 6 * t
     exp_avg_sq_weight = tl.load(row).to(COMPUTE)
@@ -158,6 +164,22 @@ def _qhadam_kernel(
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
+# Host scalars as small device tensors, one per distinct set of values: built
+# once (a CUDA graph replays the captured one), so no step copies to the device.
+_HYPER: dict[tuple[Any, ...], Tensor] = {}
+
+
+def _hyper(values: tuple[float, ...], like: Tensor) -> Tensor:
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    key = (values, dtype, like.device)
+    tensor = _HYPER.get(key)
+    if tensor is None:
+        if len(_HYPER) >= _MAX_TABLES:
+            _HYPER.pop(next(iter(_HYPER)))
+        tensor = _HYPER[key] = torch.tensor(values, dtype=dtype, device=like.device)
+    return tensor
+
+
 def _launch_args(
     params: list[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None
 ) -> dict[str, Any]:
@@ -170,6 +192,7 @@ def _launch_args(
         "DTYPE": _TL_DTYPES[dtype],
         "COMPUTE": tl.float64 if dtype == torch.float64 else tl.float32,
         "BLOCK": _BLOCK,
+        "num_warps": _NUM_WARPS,
     }
 
 
@@ -196,23 +219,27 @@ def qhm_(
     _check(params, grads, momentum_buffers)
     c = rules.qhm_coefficients(hp.momentum, hp.nu)
     addrs, numels, block_tensor, block_start = _table([params, grads, momentum_buffers])
+    if block_tensor.numel() == 0:  # only empty tensors
+        return
     lr_on_device = isinstance(hp.lr, Tensor)
-    coupled = 0.0 if hp.decoupled_weight_decay else hp.weight_decay
     decoupled = hp.weight_decay if hp.decoupled_weight_decay else 0.0
+    hyper = (
+        -1.0 if hp.maximize else 1.0,
+        0.0 if hp.decoupled_weight_decay else hp.weight_decay,
+        decoupled,
+        c.grad_to_buffer,
+        c.buffer_weight,
+        c.grad_weight,
+        0.0 if lr_on_device else float(hp.lr),
+    )
     _qhm_kernel[(block_tensor.numel(),)](
         addrs,
         numels,
         block_tensor,
         block_start,
         len(params),
+        _hyper(hyper, params[0]),
         hp.lr.to(params[0].device) if lr_on_device else params[0],
-        lr=0.0 if lr_on_device else float(hp.lr),
-        grad_multiplier=-1.0 if hp.maximize else 1.0,
-        coupled_weight_decay=coupled,
-        decoupled_weight_decay=decoupled,
-        grad_to_buffer=c.grad_to_buffer,
-        buffer_weight=c.buffer_weight,
-        grad_weight=c.grad_weight,
         LR_ON_DEVICE=lr_on_device,
         **_launch_args(params, grad_scale, found_inf),
     )
@@ -240,6 +267,8 @@ def qhadam_(
         torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
     coefficients = _kernels.device_coefficients(state_steps, params[0], hp)
     addrs, numels, block_tensor, block_start = _table([params, grads, exp_avgs, exp_avg_sqs])
+    if block_tensor.numel() == 0:  # only empty tensors
+        return
     _qhadam_kernel[(block_tensor.numel(),)](
         addrs,
         numels,
@@ -247,11 +276,16 @@ def qhadam_(
         block_start,
         len(params),
         coefficients,
-        grad_multiplier=-1.0 if hp.maximize else 1.0,
-        coupled_weight_decay=0.0 if hp.decoupled_weight_decay else hp.weight_decay,
-        exp_avg_lerp=1 - hp.beta1,
-        beta2=hp.beta2,
-        one_minus_beta2=1 - hp.beta2,
+        _hyper(
+            (
+                -1.0 if hp.maximize else 1.0,
+                0.0 if hp.decoupled_weight_decay else hp.weight_decay,
+                1 - hp.beta1,
+                hp.beta2,
+                1 - hp.beta2,
+            ),
+            params[0],
+        ),
         FORM=_FORMS[rules.qhadam_denominator(hp.nu2)],
         **_launch_args(params, grad_scale, found_inf),
     )

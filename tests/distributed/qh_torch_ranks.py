@@ -213,16 +213,20 @@ def _zero(rank: int, world_size: int, outdir: Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, (cls, kwargs) in OPTIMIZERS.items():
-        model = DDP(make_model())
-        index = {p: i for i, p in enumerate(model.parameters())}
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
-        trajectory = train(model, opt, range(STEPS), rank, world_size)
-        out[name] = {
-            "trajectory": trajectory,
-            "local_type": type(opt.optim).__name__,
-            # The parameters this rank's optimizer holds state for: its partition.
-            "local_state": sorted(index[p] for p in opt.optim.state),
-        }
+        for key, flags in ((name, {}), (f"{name}-fused", {"fused": True})):
+            model = DDP(make_model())
+            index = {p: i for i, p in enumerate(model.parameters())}
+            opt = ZeroRedundancyOptimizer(
+                model.parameters(), optimizer_class=cls, **kwargs, **flags
+            )
+            trajectory = train(model, opt, range(STEPS), rank, world_size)
+            out[key] = {
+                "trajectory": trajectory,
+                "local_type": type(opt.optim).__name__,
+                "fused": bool(opt.optim.defaults.get("fused")),
+                # The parameters this rank's optimizer holds state for: its partition.
+                "local_state": sorted(index[p] for p in opt.optim.state),
+            }
     return out
 
 
@@ -279,6 +283,17 @@ def _fsdp(rank: int, world_size: int, outdir: Path) -> dict[str, Any]:
                 "layout": _state_layout(model, opt),
                 "multi_tensor_steps": spy.call_count,
             }
+        # fused=True: the one-pass kernels on each rank's local shards.
+        model = _fully_shard(make_model())
+        opt = cls(model.parameters(), **kwargs, fused=True)
+        fused = getattr(qht._fused, f"fused_{name.lower()}")
+        with mock.patch.object(qht._fused, fused.__name__, wraps=fused) as spy:
+            trajectory = train(model, opt, range(STEPS), rank, world_size)
+        out[f"{name}-fused"] = {
+            "trajectory": trajectory,
+            "layout": _state_layout(model, opt),
+            "fused_steps": spy.call_count,
+        }
     return out
 
 

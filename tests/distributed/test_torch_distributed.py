@@ -123,13 +123,15 @@ def test_ddp_equals_single_process(
     _assert_close(per_rank[0], want)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "fused"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_zero_redundancy_optimizer_equals_single_process(
-    ranks: list[dict[str, Any]], name: str, report_difference: Callable[..., None]
+    ranks: list[dict[str, Any]], name: str, fused: bool, report_difference: Callable[..., None]
 ) -> None:
-    per_rank = [r[name] for r in _results(ranks, "zero")]
+    per_rank = [r[f"{name}-fused" if fused else name] for r in _results(ranks, "zero")]
     cls = OPTIMIZERS[name][0]
     assert {r["local_type"] for r in per_rank} == {cls.__name__}
+    assert {r["fused"] for r in per_rank} == {fused}
     # Each rank keeps the state of its own partition only; together, of every parameter.
     partitions = [r["local_state"] for r in per_rank]
     assert all(partitions), partitions
@@ -139,7 +141,9 @@ def test_zero_redundancy_optimizer_equals_single_process(
         _assert_equal(per_rank[rank]["trajectory"], per_rank[0]["trajectory"])
     want = train_single(name)
     got = per_rank[0]["trajectory"]
-    report_difference(f"torch ZeRO {name}", *max_difference(got, want), TOLERANCE)
+    report_difference(
+        f"torch ZeRO {name}{' fused' if fused else ''}", *max_difference(got, want), TOLERANCE
+    )
     _assert_close(got, want)
 
 
@@ -185,6 +189,22 @@ def test_fsdp2_equals_single_process(
     report_difference(
         f"torch FSDP2 {name} foreach={foreach}", *max_difference(got, want), TOLERANCE
     )
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fsdp2_with_fused_steps_equals_single_process(
+    ranks: list[dict[str, Any]], name: str, report_difference: Callable[..., None]
+) -> None:
+    per_rank = [r[f"{name}-fused"] for r in _results(ranks, "fsdp")]
+    for r in per_rank:
+        _assert_sharded_like_params(r["layout"], name)
+        assert r["fused_steps"] == STEPS
+    for rank in range(1, WORLD_SIZE):
+        _assert_equal(per_rank[rank]["trajectory"], per_rank[0]["trajectory"])
+    want = train_single(name)
+    got = per_rank[0]["trajectory"]
+    report_difference(f"torch FSDP2 {name} fused", *max_difference(got, want), TOLERANCE)
     _assert_close(got, want)
 
 

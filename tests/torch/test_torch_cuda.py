@@ -54,27 +54,33 @@ def test_default_is_foreach_on_cuda(cls: type, kwargs: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
-@pytest.mark.parametrize("variant", ["loop", "foreach", "capturable"])
+@pytest.mark.parametrize("variant", ["loop", "foreach", "capturable", "fused"])
 def test_cuda_matches_the_reference(cls: type, kwargs: dict[str, Any], variant: str) -> None:
     params = _cuda_params()
     params0 = [p.detach().cpu() for p in params]
     grads = random_grads(SHAPES, 6)
     flags = {"foreach": variant == "foreach", "capturable": variant == "capturable"}
+    if variant == "fused":
+        flags = {"fused": True}
     got = _run(cls(params, **kwargs, **flags), params, grads)
     want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
     assert_trajectories_close(got, want, rtol=1e-12)
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
-@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize(
+    "impl",
+    [{"foreach": False}, {"foreach": True}, {"fused": True}],
+    ids=["loop", "foreach", "fused"],
+)
 def test_capturable_step_replays_in_a_cuda_graph(
-    cls: type, kwargs: dict[str, Any], foreach: bool
+    cls: type, kwargs: dict[str, Any], impl: dict[str, bool]
 ) -> None:
     params = _cuda_params(torch.float32)
     params0 = [p.detach().cpu().double() for p in params]
     grads = random_grads(SHAPES, 8)
     lr = torch.tensor(kwargs["lr"], device="cuda")  # a tensor lr, changed between replays
-    opt = cls(params, **{**kwargs, "lr": lr}, foreach=foreach, capturable=True)
+    opt = cls(params, **{**kwargs, "lr": lr}, **impl, capturable=True)
     for p in params:
         p.grad = torch.zeros_like(p)
     static_grads = [p.grad for p in params]

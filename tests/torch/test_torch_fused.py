@@ -1,8 +1,9 @@
 """``fused=True``: the one-pass kernels against the multi-tensor ones and the reference.
 
 On CPU the fused kernels are a C++ extension compiled on first use (once per
-machine: torch keeps it under TORCH_EXTENSIONS_DIR); the CUDA (Triton) twins of
-these tests are in test_torch_cuda.py.
+machine: torch keeps it under TORCH_EXTENSIONS_DIR); on CUDA Triton kernels.
+The tests that take ``device`` run on both; the CUDA ones skip without a GPU
+(CI), and are run on a GPU machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from qh_torch_testing import assert_trajectories_close, random_grads, reference_
 from qhoptim.torch import QHM, QHAdam, QHAdamW
 
 F32, F64 = torch.float32, torch.float64
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
 SHAPES = [(4, 3), (7,), (2, 3, 5), (1,)]
 
 CONFIGS: list[tuple[type, dict[str, Any]]] = [
@@ -32,39 +40,47 @@ CONFIGS: list[tuple[type, dict[str, Any]]] = [
 IDS = [f"{cls.__name__}-{i}" for i, (cls, _) in enumerate(CONFIGS)]
 
 
-def _params(dtype: torch.dtype = F64, seed: int = 0) -> list[torch.nn.Parameter]:
+def _params(
+    dtype: torch.dtype = F64, seed: int = 0, device: str = "cpu"
+) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in SHAPES]
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype).to(device)) for s in SHAPES
+    ]
 
 
 def _run(opt: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> list[Any]:
     out = []
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
-            p.grad = g.to(p.dtype).clone()
+            p.grad = g.to(p.device, p.dtype).clone()
         opt.step()
         out.append([p.detach().clone() for p in params])
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
-def test_fused_follows_the_float64_reference(cls: type, kwargs: dict[str, Any]) -> None:
-    params = _params()
-    params0 = [p.detach().clone() for p in params]
+def test_fused_follows_the_float64_reference(
+    cls: type, kwargs: dict[str, Any], device: str
+) -> None:
+    params = _params(device=device)
+    params0 = [p.detach().cpu().clone() for p in params]
     grads = random_grads(SHAPES, 25)
     got = _run(cls(params, **kwargs, fused=True), params, grads)
     want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
-    assert_trajectories_close([[t.numpy() for t in step] for step in got], want, rtol=1e-12)
+    assert_trajectories_close([[t.cpu().numpy() for t in step] for step in got], want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
 def test_fused_equals_foreach_to_rounding_over_100_float32_steps(
-    cls: type, kwargs: dict[str, Any]
+    cls: type, kwargs: dict[str, Any], device: str
 ) -> None:
     grads = random_grads(SHAPES, 100)
     runs = {}
     for impl in ({"fused": True}, {"foreach": True}):
-        params = _params(F32)
+        params = _params(F32, device=device)
         runs[str(impl)] = _run(cls(params, **kwargs, **impl), params, grads)
     for fused, foreach in zip(*runs.values(), strict=True):
         for a, b in zip(fused, foreach, strict=True):
@@ -117,54 +133,60 @@ def test_param_groups_with_their_own_hyperparameters() -> None:
             torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", [QHM, QHAdam])
-def test_tensor_lr_and_strided_params(cls: type) -> None:
+def test_tensor_lr_and_strided_params(cls: type, device: str) -> None:
     grads = random_grads([(3, 4)], 6)
     runs = []
-    for lr, impl in ((torch.tensor(0.01, dtype=F64), {"fused": True}), (0.01, {"foreach": True})):
+    tensor_lr = torch.tensor(0.01, dtype=F64, device=device)
+    for lr, impl in ((tensor_lr, {"fused": True}), (0.01, {"foreach": True})):
         base = torch.randn(4, 3, generator=torch.Generator().manual_seed(1), dtype=F64)
-        param = torch.nn.Parameter(base.t())  # non-contiguous
+        param = torch.nn.Parameter(base.to(device).t())  # non-contiguous
         runs.append(_run(cls([param], lr=lr, **impl), [param], grads))
         assert not param.is_contiguous()
     for a_step, b_step in zip(*runs, strict=True):
         torch.testing.assert_close(a_step[0], b_step[0], rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[0], CONFIGS[4]], ids=IDS[:2])
 def test_low_precision_params_are_computed_in_float32(
-    cls: type, kwargs: dict[str, Any], dtype: torch.dtype
+    cls: type, kwargs: dict[str, Any], dtype: torch.dtype, device: str
 ) -> None:
     # One step from the same low-precision values: the fused step computes in
-    # float32 and rounds once, so it is the float32 step rounded to ``dtype``.
-    low = _params(dtype)
+    # float32 and rounds once, so it is the float32 step rounded to ``dtype``
+    # (to one unit in the last place: float32 rounding in between may differ).
+    low = _params(dtype, device=device)
     high = [torch.nn.Parameter(p.detach().float()) for p in low]
     grads = random_grads(SHAPES, 1)
     got = _run(cls(low, **kwargs, fused=True), low, [[g.to(dtype) for g in grads[0]]])
     want = _run(cls(high, **kwargs, foreach=True), high, [[g.to(dtype).float() for g in grads[0]]])
     for a, b in zip(got[0], want[0], strict=True):
         assert a.dtype == dtype
-        torch.testing.assert_close(a, b.to(dtype), rtol=0, atol=0)
+        ulp = torch.finfo(dtype).eps * b.abs().clamp_min(torch.finfo(dtype).tiny)
+        assert bool(((a.float() - b.to(dtype).float()).abs() <= ulp).all())
 
 
 # ------------------------------------------------------------------ GradScaler
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[2], CONFIGS[5], CONFIGS[7]], ids=IDS[:3])
 def test_grad_scaler_unscales_inside_the_step_and_skips_infs(
-    cls: type, kwargs: dict[str, Any]
+    cls: type, kwargs: dict[str, Any], device: str
 ) -> None:
     # GradScaler hands a fused optimizer grad_scale and found_inf instead of
     # unscaling the grads itself: the step must equal an unscaled step, and a
     # step with an inf gradient must leave parameters and state untouched.
-    scaled_params, plain_params = _params(F32), _params(F32)
+    scaled_params, plain_params = _params(F32, device=device), _params(F32, device=device)
     scaled = cls(scaled_params, **kwargs, fused=True)
     plain = cls(plain_params, **kwargs, fused=True)
     assert scaled._step_supports_amp_scaling
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=1000)
     grads = random_grads(SHAPES, 6)
     for t, step_grads in enumerate(grads):
         inf_step = t == 3
         for p, g in zip(scaled_params, step_grads, strict=True):
-            p.grad = scaler.scale(g.float()).clone()  # as backward() of a scaled loss
+            p.grad = scaler.scale(g.float().to(device)).clone()  # backward() of a scaled loss
         if inf_step:
             scaled_params[1].grad[0] = torch.inf
             before = (
@@ -183,7 +205,7 @@ def test_grad_scaler_unscales_inside_the_step_and_skips_infs(
                     torch.testing.assert_close(after[key][name], value, rtol=0, atol=0)
             continue
         for p, g in zip(plain_params, step_grads, strict=True):
-            p.grad = g.float().clone()
+            p.grad = g.float().to(device).clone()
         plain.step()
         for a, b in zip(scaled_params, plain_params, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -223,3 +245,44 @@ def test_fused_qhadam_keeps_its_step_count_on_the_param_device_as_float32() -> N
     for p in params:
         step = opt.state[p]["step"]
         assert step.dtype == F32 and step.device == p.device and float(step) == 2.0
+
+
+# --------------------------------------------------- the CPU kernel's build
+def test_missing_compiler_or_ninja_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    from qhoptim.torch import _fused
+
+    def no_ninja() -> None:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    _fused._cpu_extension.cache_clear()
+    monkeypatch.setattr(_fused.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
+    params = _params()
+    opt = QHAdam(params, fused=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler .* and ninja") as info:
+        opt.step()
+    assert "fused=False" in str(info.value)
+    _fused._cpu_extension.cache_clear()  # built (or loaded from disk) again when next needed
+
+
+def test_changing_lr_never_rebuilds_the_kernel() -> None:
+    # The per-step scalars (lr, bias corrections) are arguments of the
+    # compiled kernel, never part of what is compiled: one build for every step.
+    from qhoptim.torch import _fused
+
+    params = _params(F32)
+    opt = QHAdam(params, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.9**t)
+    _fused._cpu_extension()  # built or loaded once
+    before = _fused._cpu_extension.cache_info()
+    for _ in range(20):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        scheduler.step()
+    after = _fused._cpu_extension.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 20

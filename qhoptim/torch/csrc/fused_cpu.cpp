@@ -42,6 +42,21 @@ void check_lists(const std::vector<at::Tensor>& params,
   }
 }
 
+// One chunk of a QHM step. The pointers do not alias and the coefficients are
+// values, so the compiler vectorizes the loop without run-time checks.
+template <typename scalar_t, typename opmath_t>
+void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, scalar_t* __restrict__ b,
+               int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w, opmath_t bv,
+               opmath_t gv) {
+  for (int64_t i = 0; i < n; ++i) {
+    const opmath_t pi = static_cast<opmath_t>(p[i]);
+    const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
+    const opmath_t bi = lerp(static_cast<opmath_t>(b[i]), gi, w);
+    b[i] = static_cast<scalar_t>(bi);
+    p[i] = static_cast<scalar_t>(pi * df + bv * bi + gv * gi);
+  }
+}
+
 template <typename scalar_t>
 void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, double grad_multiplier,
                 double coupled_weight_decay, double decay_factor, double grad_to_buffer,
@@ -52,19 +67,38 @@ void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, doub
   scalar_t* b = buf.data_ptr<scalar_t>();
   const opmath_t gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
                  w = grad_to_buffer, bv = buffer_value, gv = grad_value;
-  at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const opmath_t pi = static_cast<opmath_t>(p[i]);
-      const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
-      const opmath_t bi = lerp(static_cast<opmath_t>(b[i]), gi, w);
-      b[i] = static_cast<scalar_t>(bi);
-      p[i] = static_cast<scalar_t>(pi * df + bv * bi + gv * gi);
-    }
+  at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
+    qhm_chunk<scalar_t, opmath_t>(p + begin, g + begin, b + begin, end - begin, gm, wd, df, w,
+                                  bv, gv);
   });
 }
 
-// FORM: 0 reads the second moment alone, 1 the gradient alone, 2 both
-// (qhoptim.rules.Denominator EXP_AVG_SQ, GRAD, MIX).
+// One chunk of a QHAdam step. FORM: 0 reads the second moment alone, 1 the
+// gradient alone, 2 both (qhoptim.rules.Denominator EXP_AVG_SQ, GRAD, MIX).
+template <typename scalar_t, typename opmath_t, int FORM>
+void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
+                  scalar_t* __restrict__ m, scalar_t* __restrict__ s, int64_t n, opmath_t gm,
+                  opmath_t wd, opmath_t df, opmath_t w1, opmath_t b2, opmath_t w2, opmath_t sw,
+                  opmath_t gw, opmath_t eps, opmath_t mv, opmath_t gv) {
+  for (int64_t i = 0; i < n; ++i) {
+    const opmath_t pi = static_cast<opmath_t>(p[i]);
+    const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
+    const opmath_t mi = lerp(static_cast<opmath_t>(m[i]), gi, w1);
+    const opmath_t si = b2 * static_cast<opmath_t>(s[i]) + w2 * gi * gi;
+    opmath_t base;
+    if constexpr (FORM == 0) {
+      base = std::sqrt(sw * si);
+    } else if constexpr (FORM == 1) {
+      base = std::sqrt(gw * (gi * gi));
+    } else {
+      base = std::sqrt(sw * si + gw * (gi * gi));
+    }
+    m[i] = static_cast<scalar_t>(mi);
+    s[i] = static_cast<scalar_t>(si);
+    p[i] = static_cast<scalar_t>(pi * df + (mv * mi + gv * gi) / (base + eps));
+  }
+}
+
 template <typename scalar_t, int FORM>
 void qhadam_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                    at::Tensor& exp_avg_sq, const double* c, double grad_multiplier,
@@ -79,25 +113,10 @@ void qhadam_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_av
                  w1 = exp_avg_lerp, b2 = beta2, w2 = one_minus_beta2;
   // FoldedQHAdam: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value
   const opmath_t sw = c[0], gw = c[1], eps = c[2], mv = c[3], gv = c[4];
-  at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const opmath_t pi = static_cast<opmath_t>(p[i]);
-      const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
-      const opmath_t mi = lerp(static_cast<opmath_t>(m[i]), gi, w1);
-      const opmath_t si = b2 * static_cast<opmath_t>(s[i]) + w2 * gi * gi;
-      opmath_t base;
-      if constexpr (FORM == 0) {
-        base = std::sqrt(sw * si);
-      } else if constexpr (FORM == 1) {
-        base = std::sqrt(gw * (gi * gi));
-      } else {
-        base = std::sqrt(sw * si + gw * (gi * gi));
-      }
-      const opmath_t den = base + eps;
-      m[i] = static_cast<scalar_t>(mi);
-      s[i] = static_cast<scalar_t>(si);
-      p[i] = static_cast<scalar_t>(pi * df + (mv * mi + gv * gi) / den);
-    }
+  at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
+    qhadam_chunk<scalar_t, opmath_t, FORM>(p + begin, g + begin, m + begin, s + begin,
+                                           end - begin, gm, wd, df, w1, b2, w2, sw, gw, eps, mv,
+                                           gv);
   });
 }
 
