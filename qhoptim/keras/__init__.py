@@ -92,6 +92,14 @@ except ImportError:  # pragma: no cover - keras moved its private module
 #: numbers are the same. Read from this module at every step; TensorFlow only.
 TF_JIT_COMPILE = True
 
+#: On the torch backend, variables on the CPU step through ``qhoptim.torch``'s
+#: fused CPU kernel (one pass over memory per step, as ``fused=True``) when it
+#: can be had: it is compiled on first use (about 30 s, once per machine; it
+#: needs a C++ compiler and ninja) and the multi-tensor kernels serve where it
+#: cannot be built, and for CUDA variables. Set to ``False`` to always use the
+#: multi-tensor kernels; the numbers agree to rounding. Read at every step.
+TORCH_FUSED = True
+
 _BACKEND = keras.backend.backend()
 
 

@@ -13,7 +13,18 @@ from typing import Any
 import torch
 
 from qhoptim import validation
-from qhoptim.torch import _kernels
+from qhoptim.torch import _fused, _kernels
+
+
+def _fused_here(params: list[Any]) -> bool:
+    """Whether these variables step through the fused CPU kernel (``TORCH_FUSED``)."""
+    import qhoptim.keras
+
+    return (
+        bool(qhoptim.keras.TORCH_FUSED)
+        and all(p.device.type == "cpu" for p in params)
+        and _fused.cpu_kernel_available()
+    )
 
 
 def _step_number(iterations: Any) -> float:
@@ -42,7 +53,7 @@ class TorchStep:
     def _backend_update_step(
         self: Any, grads: list[Any], trainable_variables: list[Any], learning_rate: Any
     ) -> None:
-        """Every variable's step at once, with :mod:`qhoptim.torch`'s multi-tensor kernels.
+        """Every variable's step at once, with :mod:`qhoptim.torch`'s fused or multi-tensor kernels.
 
         Keras runs its own ``SGD`` and ``Adam`` this way on the torch backend
         (``torch._foreach`` versions); the per-variable ``update_step`` would
@@ -82,17 +93,26 @@ class TorchStep:
                     decoupled_weight_decay=True,  # Keras's weight decay
                     maximize=False,
                 )
+                fused = _fused_here(params)
                 if self._RULE == "qhm":
                     (buffers,) = zip(*slots, strict=True)
-                    _kernels.foreach_qhm(params, param_grads, list(buffers), **kwargs)
+                    if fused:
+                        hp = _kernels.QHMHyperparameters(**kwargs)
+                        _fused.fused_qhm(
+                            params, param_grads, list(buffers), hp, grad_scale=None, found_inf=None
+                        )
+                    else:
+                        _kernels.foreach_qhm(params, param_grads, list(buffers), **kwargs)
+                    continue
+                exp_avgs, exp_avg_sqs = (list(s) for s in zip(*slots, strict=True))
+                steps = [step] * len(params)
+                if fused:
+                    hp_adam = _kernels.QHAdamHyperparameters(**kwargs)
+                    _fused.fused_qhadam_cpu_(
+                        params, param_grads, exp_avgs, exp_avg_sqs, steps, hp_adam
+                    )
                 else:
-                    exp_avgs, exp_avg_sqs = zip(*slots, strict=True)
                     _kernels.foreach_qhadam(
-                        params,
-                        param_grads,
-                        list(exp_avgs),
-                        list(exp_avg_sqs),
-                        [step] * len(params),
-                        **kwargs,
+                        params, param_grads, exp_avgs, exp_avg_sqs, steps, **kwargs
                     )
         return None

@@ -36,7 +36,13 @@ from torch.optim.optimizer import Optimizer
 from qhoptim import rules
 from qhoptim.torch import _kernels
 
-__all__ = ["check_fused", "fused_qhadam", "fused_qhm"]
+__all__ = [
+    "check_fused",
+    "cpu_kernel_available",
+    "fused_qhadam",
+    "fused_qhadam_cpu_",
+    "fused_qhm",
+]
 
 _CSRC = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 _FORMS = {rules.Denominator.EXP_AVG_SQ: 0, rules.Denominator.GRAD: 1, rules.Denominator.MIX: 2}
@@ -96,6 +102,20 @@ def _cpu_extension() -> Any:
             f"fused=True on CPU: compiling qhoptim's C++ kernel ({_CSRC.name}) failed; "
             f"use fused=False (the multi-tensor kernels). The build said: {error}"
         ) from error
+
+
+@functools.cache
+def cpu_kernel_available() -> bool:
+    """Whether the fused CPU kernel can be had (built, or loaded from the disk cache).
+
+    For callers that fall back to the multi-tensor kernels (``qhoptim.keras`` on
+    torch); the answer is kept, so a missing compiler is found once, not each step.
+    """
+    try:
+        _cpu_extension()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _triton() -> Any:
@@ -160,11 +180,22 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _groups(tensorlists: list[list[Tensor]]) -> list[tuple[torch.device, list[list[Tensor]]]]:
+    return [(device, lists) for device, (*lists, _) in _groups_with_indices(tensorlists)]
+
+
+def _groups_with_indices(
+    tensorlists: list[list[Tensor]],
+) -> list[tuple[torch.device, list[Any]]]:
+    """The lists by device and dtype (DTensors as their local shards), each group's
+    positions in the lists last."""
     tensorlists = [[_local(t) for t in ts] for ts in tensorlists]
-    grouped = Optimizer._group_tensors_by_device_and_dtype(tensorlists)  # type: ignore[arg-type]
+    grouped = Optimizer._group_tensors_by_device_and_dtype(
+        tensorlists,  # type: ignore[arg-type]
+        with_indices=True,
+    )
     return [
-        (cast(torch.device, device), [cast(list[Tensor], ts) for ts in lists])
-        for (device, _), (lists, _) in grouped.items()
+        (cast(torch.device, device), [*(cast(list[Tensor], ts) for ts in lists), indices])
+        for (device, _), (lists, indices) in grouped.items()
     ]
 
 
@@ -217,7 +248,6 @@ def fused_qhadam(
     ``state_steps`` are tensors on the parameters' devices, incremented here
     unless GradScaler found an inf.
     """
-    form = _FORMS[rules.qhadam_denominator(hp.nu2)]
     for device, (*lists, steps) in _groups([params, grads, exp_avgs, exp_avg_sqs, state_steps]):
         with _Contiguous(*lists) as (ps, gs, ms, ss):
             if device.type == "cuda":
@@ -228,24 +258,52 @@ def fused_qhadam(
             if _skip(found_inf):
                 continue
             torch._foreach_add_(steps, 1)
-            lr = float(hp.lr)
-            coupled, decay = _decay(hp, lr)
-            folds = [
-                _kernels.host_fold(float(t), lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps)
-                for t in steps
-            ]
-            coefficients = torch.tensor([f[1:] for f in folds], dtype=torch.float64)
-            _cpu_extension().qhadam_(
-                ps,
-                gs,
-                ms,
-                ss,
-                coefficients,
-                form,
-                _grad_multiplier(hp, grad_scale),
-                coupled,
-                decay,
-                1 - hp.beta1,
-                hp.beta2,
-                1 - hp.beta2,
-            )
+            _cpu_qhadam_(ps, gs, ms, ss, [float(t) for t in steps], hp, grad_scale)
+
+
+def fused_qhadam_cpu_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[float],
+    hp: _kernels.QHAdamHyperparameters,
+) -> None:
+    """One fused QHAdam step of CPU tensors whose step numbers are Python numbers.
+
+    ``steps[i]`` is the number of the step being taken (1 on the first), as
+    :func:`qhoptim.torch._kernels.foreach_qhadam` takes them; for
+    ``qhoptim.keras``, which keeps one step count for every variable.
+    """
+    for _, (*lists, indices) in _groups_with_indices([params, grads, exp_avgs, exp_avg_sqs]):
+        with _Contiguous(*lists) as (ps, gs, ms, ss):
+            _cpu_qhadam_(ps, gs, ms, ss, [steps[i] for i in indices], hp, None)
+
+
+def _cpu_qhadam_(
+    ps: list[Tensor],
+    gs: list[Tensor],
+    ms: list[Tensor],
+    ss: list[Tensor],
+    steps: list[float],
+    hp: _kernels.QHAdamHyperparameters,
+    grad_scale: Tensor | None,
+) -> None:
+    lr = float(hp.lr)
+    coupled, decay = _decay(hp, lr)
+    folds = [_kernels.host_fold(t, lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps) for t in steps]
+    coefficients = torch.tensor([f[1:] for f in folds], dtype=torch.float64)
+    _cpu_extension().qhadam_(
+        ps,
+        gs,
+        ms,
+        ss,
+        coefficients,
+        _FORMS[rules.qhadam_denominator(hp.nu2)],
+        _grad_multiplier(hp, grad_scale),
+        coupled,
+        decay,
+        1 - hp.beta1,
+        hp.beta2,
+        1 - hp.beta2,
+    )

@@ -195,31 +195,40 @@ def _apply_mixed(opt: keras.optimizers.Optimizer, steps: int) -> list[np.ndarray
     return [np.asarray(ops.convert_to_numpy(v), np.float64) for v in variables]
 
 
-def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Patch the torch kernel layer's whole-list kernels to record how many tensors each took."""
-    from qhoptim.torch import _kernels
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch, *, fused: bool = False) -> list[int]:
+    """Patch the torch kernel layer's whole-list kernels (or the fused ones) to record
+    how many tensors each took."""
+    from qhoptim.torch import _fused, _kernels
 
+    module, kernels = (
+        (_fused, ("fused_qhm", "fused_qhadam_cpu_"))
+        if fused
+        else (_kernels, ("foreach_qhm", "foreach_qhadam"))
+    )
+    monkeypatch.setattr(qk, "TORCH_FUSED", fused)
     calls: list[int] = []
-    for kernel in ("foreach_qhm", "foreach_qhadam"):
-        original = getattr(_kernels, kernel)
+    for kernel in kernels:
+        original = getattr(module, kernel)
         monkeypatch.setattr(
-            _kernels, kernel, lambda *a, _f=original, **kw: calls.append(len(a[0])) or _f(*a, **kw)
+            module, kernel, lambda *a, _f=original, **kw: calls.append(len(a[0])) or _f(*a, **kw)
         )
     return calls
 
 
 @only_backend("torch")
+@pytest.mark.parametrize("fused", [False, True], ids=["multi-tensor", "fused"])
 @pytest.mark.parametrize("name", ["qhm", "qhadam", "qhadamw"])
 def test_torch_multi_tensor_step_equals_per_variable_step(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # On the torch backend all variables step at once through qhoptim.torch's
-    # kernel layer; Keras's generic path (one ``update_step`` per variable, the
-    # code the other backends run) must give the same numbers.
+    # kernel layer (the fused CPU kernel by default, TORCH_FUSED); Keras's
+    # generic path (one ``update_step`` per variable, the code the other
+    # backends run) must give the same numbers.
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     make = {"qhm": PAIRS["qhm"][0], "qhadam": PAIRS["qhadam"][0], "qhadamw": qk.QHAdamW}[name]
-    calls = _count_kernel_calls(monkeypatch)
+    calls = _count_kernel_calls(monkeypatch, fused=fused)
     fast = _apply_mixed(make(weight_decay=0.1), 12)
     # Per step: one call for the decayed kernels (float64 and float32: the
     # kernels group by dtype themselves) and one for the excluded bias.
@@ -239,7 +248,7 @@ def test_torch_tensor_hyperparameters_take_the_generic_path(
     import torch
 
     got = apply_steps(PAIRS["qhm"][0](), X0, quadratic_grad, 6)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = _count_kernel_calls(monkeypatch, fused=True)
     opt = PAIRS["qhm"][0]()
     opt.momentum = torch.tensor(0.9, dtype=torch.float64)  # no Python float: per-variable path
     _assert_close(apply_steps(opt, X0, quadratic_grad, 6), got)
