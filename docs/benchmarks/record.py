@@ -32,6 +32,21 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def _gpus() -> str:
+    """The machine's NVIDIA GPUs as ``nvidia-smi`` names them ("" where there is none)."""
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    names = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return ", GPU " + " + ".join(names) if proc.returncode == 0 and names else ""
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isidentifier():
         print(__doc__, file=sys.stderr)
@@ -50,7 +65,7 @@ def main(argv: list[str]) -> int:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = [
         f"$ {shlex.join(command)}",
-        f"# recorded {now} on {_cpu()}, {os.cpu_count()} logical CPUs, "
+        f"# recorded {now} on {_cpu()}, {os.cpu_count()} logical CPUs{_gpus()}, "
         f"{platform.system()} {platform.release()}, Python {platform.python_version()}; "
         f"load average {load:.2f} at the start",
         "",
