@@ -1,12 +1,13 @@
 """Time one jitted optimizer step (update + apply) of qhoptim.optax against optax.
 
-    python -m benchmarks.optax_step [--repeats 40]
+    python -m benchmarks.optax_step [--repeats 40] [--scale [--sizes 1e6 1e7 1e8]]
 
 For ResNet-18-shaped float32 parameters and 500 tensors of 1,000 elements,
 with and without buffer donation, interleaving the optimizers round by round
 so they share the machine's state; prints the median ms per step and the ratio
 of each QH optimizer to its optax counterpart (QHM vs
 ``optax.sgd(momentum=0.9, nesterov=True)``, QHAdam vs ``optax.adam``).
+``--scale`` times one flat tensor of each size instead (with donation).
 """
 
 from __future__ import annotations
@@ -67,14 +68,19 @@ def bench(shapes: list[tuple[int, ...]], donate: bool, repeats: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--scale", action="store_true", help="one flat tensor per size")
+    parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 1e8])
     args = parser.parse_args()
+    suites = SUITES
+    if args.scale:
+        suites = {f"{int(n):.0e}": [(int(n),)] for n in args.sizes}
     print(f"jax {jax.__version__}, optax {optax.__version__}, device {jax.devices()[0]}")
     print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / optax baseline\n")
     print(
         f"{'params':<10}{'donate':<8}{'optimizer':<14}{'ms':>9}{'baseline':>14}{'ms':>9}{'ratio':>8}"
     )
-    for suite, shapes in SUITES.items():
-        for donate in (True, False):
+    for suite, shapes in suites.items():
+        for donate in (True,) if args.scale else (True, False):
             ms = bench(shapes, donate, args.repeats)
             for name, (_, base) in PAIRS.items():
                 print(
