@@ -112,7 +112,7 @@ def lint(session: nox.Session) -> None:
 def torch(session: nox.Session) -> None:
     _install(session, "test,torch")
     _typecheck(session, "qhoptim/torch")
-    _pytest(session, "tests/torch")
+    _pytest(session, "tests/torch", "tests/test_packaging.py")
     _conformance(session, "torch", "torch-foreach", "torch-fused", table="torch")
 
 
@@ -121,7 +121,7 @@ def optax(session: nox.Session) -> None:
     _install(session, "test,jax")
     session.install("flax", *CONSTRAINTS)  # the Flax example and checkpoint tests
     _typecheck(session, "qhoptim/optax.py")
-    _pytest(session, "tests/optax")
+    _pytest(session, "tests/optax", "tests/test_packaging.py")
     _pytest(session, "--doctest-modules", "-p", "no:cacheprovider", "qhoptim/optax.py")
     _conformance(session, "optax", table="optax")
 
@@ -137,7 +137,7 @@ def keras(session: nox.Session, backend: str) -> None:
     env = {"KERAS_BACKEND": backend}
     if backend == KERAS_BACKENDS[0]:  # the types do not depend on the backend
         _typecheck(session, "qhoptim/keras")
-    _pytest(session, "tests/keras", env=env)
+    _pytest(session, "tests/keras", "tests/test_packaging.py", env=env)
     _conformance(session, "keras", table=f"keras-{backend}", env=env)
 
 

@@ -17,10 +17,10 @@ in a fresh interpreter that cannot see the checkout:
 The core modules are checked in every environment. Each backend is checked
 where its framework is installed (``test_backend_imports_from_the_wheel``,
 skipped with the reason otherwise); where it is not, importing the backend
-must raise ``ImportError`` for the framework
-(``test_backend_without_its_framework_raises_import_error``). The backend
-sessions run their part through ``tests/<backend>/`` (e.g.
-``tests/optax/test_optax_packaging.py``), which reuses the helpers here.
+must raise an ``ImportError`` that names the framework and the extra to
+install (``test_backend_without_its_framework_raises_import_error``). Every
+nox session runs this file, so each backend is imported from the wheel in the
+session that installs its framework, and refused in those that do not.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -168,6 +169,25 @@ def assert_imported_from_wheel(wheel: Wheel, result: dict[str, object], module: 
     assert file.is_relative_to(wheel.site.resolve()), f"{module} came from {file}"
 
 
+# The extra that installs each backend's framework, named by its ImportError.
+EXTRAS = {
+    "qhoptim.torch": "qhoptim[torch]",
+    "qhoptim.pyt": "qhoptim[torch]",
+    "qhoptim.keras": "qhoptim[tensorflow]",
+    "qhoptim.optax": "qhoptim[jax]",
+}
+# qhoptim.keras imports the module of the active Keras backend only.
+KERAS_BACKEND_MODULES = {"tensorflow": "qhoptim.keras._tensorflow", "torch": "qhoptim.keras._torch"}
+
+
+def with_backend_modules(module: str) -> list[str]:
+    """``module`` and, for ``qhoptim.keras``, its module for the active Keras backend."""
+    if module != "qhoptim.keras":
+        return [module]
+    backend = KERAS_BACKEND_MODULES.get(os.environ.get("KERAS_BACKEND", "tensorflow"))
+    return [module, *([backend] if backend else [])]
+
+
 def assert_import_error_names_framework(
     result: dict[str, object], module: str, frameworks: tuple[str, ...]
 ) -> None:
@@ -179,6 +199,7 @@ def assert_import_error_names_framework(
     # from the wheel (that would be ModuleNotFoundError naming qhoptim.*).
     assert not str(outcome["name"] or "").startswith("qhoptim"), outcome
     assert any(f in outcome["message"] or outcome["name"] == f for f in frameworks), outcome
+    assert EXTRAS[module] in outcome["message"], f"{module}'s ImportError names no extra: {outcome}"
 
 
 def frameworks_installed(module: str) -> bool:
@@ -253,8 +274,10 @@ def test_backend_imports_from_the_wheel(wheel: Wheel, outside: Path, module: str
     if not frameworks_installed(module):
         missing = ", ".join(f for f in BACKENDS[module] if not framework_installed(f))
         pytest.skip(f"{missing} not installed here; {module} is checked where it is")
-    result = import_from_wheel(wheel, [module], outside)
-    assert_imported_from_wheel(wheel, result, module)
+    modules = with_backend_modules(module)
+    result = import_from_wheel(wheel, modules, outside)  # KERAS_BACKEND is inherited
+    for name in modules:
+        assert_imported_from_wheel(wheel, result, name)
 
 
 @pytest.mark.parametrize("module", list(BACKENDS))

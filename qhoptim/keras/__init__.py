@@ -43,7 +43,14 @@ import os
 import warnings
 from typing import Any
 
-import keras
+try:
+    import keras
+except ImportError as error:  # pragma: no cover - exercised where Keras is absent
+    raise ImportError(
+        "qhoptim.keras needs Keras 3, which is not installed. Install it with "
+        '`pip install "qhoptim[tensorflow]"` (Keras on TensorFlow), or `pip install keras` '
+        "beside JAX or torch."
+    ) from error
 
 __all__ = ["QHM", "QHAdam", "QHAdamW"]
 
