@@ -1,47 +1,125 @@
 """The test matrix. ``nox`` runs every session; ``nox -s NAME`` one of them.
 
-Sessions:
-  tests        core unit, property and analysis tests (numpy only)
+Sessions (``nox -l`` lists them; ``nox`` runs all but ``demo``):
+  tests        core unit, property and analysis tests (numpy only), on
+               Python 3.11 and 3.13
   conformance  the conformance table (reference + numpy adapter) and the
                recovery table (QHM/QHAdam vs the algorithms they recover)
   lint         ruff (lint + format check) and mypy --strict on the core
                (each backend's session type-checks its module)
   torch        qhoptim.torch: its tests and its conformance rows
-  optax        qhoptim.optax: its tests, doctests, example and conformance rows
-  keras        qhoptim.keras, once per Keras backend (tensorflow, jax, torch)
+  optax        qhoptim.optax: its tests, doctests, example and conformance rows,
+               on Python 3.11 and 3.13
+  keras        qhoptim.keras, once per Keras backend (tensorflow, jax, torch),
+               each venv holding only that backend's framework
   distributed  each backend under its framework's distributed engine: torch DDP,
                ZeRO, FSDP2 and DCP on 2 gloo ranks; optax under NamedSharding on
                8 host devices; Keras under MirroredStrategy and keras.distribution
+  lowest       Python 3.10 with the lowest versions pyproject declares
+               (.ci/lowest-constraints.txt): core tests, the conformance rows
+               of optax and of Keras on TensorFlow and on JAX
   sweep        the paper's parameter sweep, --quick smoke run (full: see docs/sweep.md)
-  demo         one problem through every installed backend, agreement printed
+  docs         the site, built with warnings as errors, then tested in Chromium
+  demo         the same problems through every installed backend, agreement printed
 
 Every install uses ``.ci/constraints.txt`` (pins torch to the offline CPU wheel).
 Set QHOPTIM_NOX_ENVDIR to keep the virtualenvs outside the checkout (CI does);
 they are then reused between runs, but every install step still runs.
+
+Each session's wall time is printed when it ends, and the whole table when
+nox exits (also written to artifacts/session-times.txt).
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import nox
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))
+LOWEST = ("-c", str(ROOT / ".ci" / "lowest-constraints.txt"))
 ARTIFACTS = ROOT / "artifacts"
-BACKEND_TESTS = ("tests/torch", "tests/optax", "tests/keras", "tests/docs", "tests/distributed")
+BACKEND_TESTS = (
+    "tests/torch", "tests/optax", "tests/keras", "tests/mlx", "tests/docs", "tests/distributed",
+)  # fmt: skip
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
 nox.options.sessions = [
-    "lint", "tests", "conformance", "torch", "optax", "keras", "distributed", "sweep", "docs",
+    "lint", "tests", "conformance", "torch", "optax", "keras", "distributed", "lowest",
+    "sweep", "docs",
 ]  # fmt: skip
-nox.options.error_on_missing_interpreters = True
+# nox's own default: a missing interpreter fails the run under CI (CI is set)
+# and skips its sessions, reported as skipped, elsewhere.
 if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
     nox.options.envdir = envdir
     nox.options.reuse_existing_virtualenvs = True
 
-PYTHON = "3.11"
+PYTHON = "3.11"  # every session's, but for the ones below
+PYTHONS_CORE = ["3.11", "3.13"]  # the core and the optax backend: newest Python too
+PYTHON_LOWEST = "3.10"  # requires-python's floor
+
+
+def _runs(command: str) -> bool:
+    try:
+        return subprocess.run([command, "--version"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def _find_pyenv_interpreters() -> None:
+    # pyenv installs other Pythons without putting them on PATH (its shims
+    # answer only for the selected version); nox looks for ``python3.X`` on
+    # PATH, so put pyenv's install of each version used here there.
+    versions = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for version in (PYTHON_LOWEST, *PYTHONS_CORE):
+        found = sorted(versions.glob(f"{version}.*/bin/python{version}"))
+        if found and not _runs(f"python{version}"):
+            os.environ["PATH"] = f"{found[-1].parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+_find_pyenv_interpreters()
+
+_SESSION_TIMES: dict[str, tuple[float, str]] = {}
+
+
+def timed(func: Callable[..., None]) -> Callable[..., None]:
+    """Record and print the session's wall time (installs included), pass or fail."""
+
+    @functools.wraps(func)
+    def wrapper(session: nox.Session, *args: Any, **kwargs: Any) -> None:
+        start, outcome = time.perf_counter(), "failed"
+        try:
+            func(session, *args, **kwargs)
+            outcome = "passed"
+        finally:
+            seconds = time.perf_counter() - start
+            _SESSION_TIMES[session.name] = (seconds, outcome)
+            session.log(f"{session.name}: {outcome} after {seconds:.0f} s wall time")
+
+    return wrapper
+
+
+@atexit.register
+def _print_session_times() -> None:
+    if not _SESSION_TIMES:
+        return
+    total = sum(t for t, _ in _SESSION_TIMES.values())
+    width = max(len(n) for n in _SESSION_TIMES)
+    lines = [f"{n:<{width}}  {t:7.0f} s  {o}" for n, (t, o) in _SESSION_TIMES.items()]
+    lines.append(f"{'total':<{width}}  {total:7.0f} s")
+    table = "\n".join(["wall time per session:", *lines])
+    print(table, flush=True)
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "session-times.txt").write_text(table + "\n")
 
 
 def _install(session: nox.Session, extras: str) -> None:
@@ -73,27 +151,24 @@ def _conformance(
     )  # fmt: skip
 
 
-@nox.session(python=PYTHON)
-def tests(session: nox.Session) -> None:
-    _install(session, "test")
+def _core_tests(session: nox.Session) -> None:
     ignores = [f"--ignore={p}" for p in BACKEND_TESTS]
     _pytest(session, "tests", *ignores)
     session.run(
-        "python",
-        "-m",
-        "pytest",
-        "--doctest-modules",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "qhoptim/rules.py",
-        "qhoptim/reference.py",
-        "qhoptim/convert.py",
-        "qhoptim/analysis.py",
-    )
+        "python", "-m", "pytest", "--doctest-modules", "-q", "-p", "no:cacheprovider",
+        "qhoptim/rules.py", "qhoptim/reference.py", "qhoptim/convert.py", "qhoptim/analysis.py",
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHONS_CORE)
+@timed
+def tests(session: nox.Session) -> None:
+    _install(session, "test")
+    _core_tests(session)
 
 
 @nox.session(python=PYTHON)
+@timed
 def conformance(session: nox.Session) -> None:
     _install(session, "test")
     _conformance(session, "numpy", table="numpy")
@@ -101,14 +176,22 @@ def conformance(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+@timed
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6", "mypy>=1.10", "numpy", *CONSTRAINTS)
+    session.install("ruff>=0.6", "mypy>=1.10", "numpy", "check-jsonschema>=0.29", *CONSTRAINTS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
+    # The GitHub Actions workflow, against the schema check-jsonschema ships
+    # (no network needed).
+    session.run(
+        "check-jsonschema", "--builtin-schema", "vendor.github-workflows",
+        str(ROOT / ".github" / "workflows" / "ci.yml"),
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON)
+@timed
 def torch(session: nox.Session) -> None:
     _install(session, "test,torch")
     _typecheck(session, "qhoptim/torch")
@@ -116,41 +199,80 @@ def torch(session: nox.Session) -> None:
     _conformance(session, "torch", "torch-foreach", "torch-fused", table="torch")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHONS_CORE)
+@timed
 def optax(session: nox.Session) -> None:
     _install(session, "test,jax")
     session.install("flax", *CONSTRAINTS)  # the Flax example and checkpoint tests
     _typecheck(session, "qhoptim/optax.py")
     _pytest(session, "tests/optax", "tests/test_packaging.py")
     _pytest(session, "--doctest-modules", "-p", "no:cacheprovider", "qhoptim/optax.py")
-    _conformance(session, "optax", table="optax")
+    _conformance(session, "optax", table=f"optax-{session.python}")
+
+
+# Each Keras session installs Keras and its backend's framework, nothing else
+# (tests/keras runs each backend's own checks on that backend). TensorFlow is
+# tensorflow-cpu, TensorFlow without the GPU libraries, installed by name: the
+# ``tensorflow`` extra would pull the full ``tensorflow`` distribution.
+TENSORFLOW = ("tensorflow-cpu>=2.16.1", "keras>=3.10")
+KERAS_EXTRAS = {"tensorflow": "test", "jax": "test,jax", "torch": "test,torch"}
 
 
 @nox.session(python=PYTHON)
 @nox.parametrize("backend", KERAS_BACKENDS, ids=list(KERAS_BACKENDS))
+@timed
 def keras(session: nox.Session, backend: str) -> None:
-    # One update_step, three Keras backends: the same tests run on each. The
-    # venv holds all three frameworks (tests/keras compares across them);
-    # tensorflow-cpu is TensorFlow without the GPU libraries.
-    _install(session, "test,torch")
-    session.install("tensorflow-cpu>=2.16", "keras>=3", "jax", *CONSTRAINTS)
+    _install(session, KERAS_EXTRAS[backend])
+    session.install(*(TENSORFLOW if backend == "tensorflow" else ("keras>=3.10",)), *CONSTRAINTS)
     env = {"KERAS_BACKEND": backend}
-    if backend == KERAS_BACKENDS[0]:  # the types do not depend on the backend
-        _typecheck(session, "qhoptim/keras")
     _pytest(session, "tests/keras", "tests/test_packaging.py", env=env)
     _conformance(session, "keras", table=f"keras-{backend}", env=env)
 
 
 @nox.session(python=PYTHON)
+@timed
 def distributed(session: nox.Session) -> None:
     # Every framework is installed here, so every test must run:
     # QHOPTIM_REQUIRE_ALL turns a skip into a failure (tests/distributed/conftest.py).
     _install(session, "test,torch,jax")
-    session.install("tensorflow-cpu>=2.16", "keras>=3", *CONSTRAINTS)
+    session.install(*TENSORFLOW, *CONSTRAINTS)
+    # qhoptim.keras is type-checked here, where every backend's framework is
+    # installed (its backend modules import torch, JAX and TensorFlow).
+    _typecheck(session, "qhoptim/keras")
     _pytest(session, "tests/distributed", env={"QHOPTIM_REQUIRE_ALL": "1"})
 
 
+@nox.session(python=PYTHON_LOWEST)
+@timed
+def lowest(session: nox.Session) -> None:
+    """The lowest declared versions, tested from the unpacked sdist.
+
+    .ci/lowest-constraints.txt pins numpy, JAX, optax, Keras and TensorFlow to
+    pyproject's floors. torch is not here: every torch release on the package
+    index but the CPU wheel CI pins is a multi-GB CUDA build, so torch's floor
+    is the version the torch session tests (docs/torch.md says so).
+    """
+    tmp = Path(session.create_tmp())
+    for old in tmp.iterdir():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    session.install("build>=1", *CONSTRAINTS)
+    session.run("python", "-m", "build", "--sdist", "--outdir", str(tmp), str(ROOT))
+    (sdist,) = tmp.glob("qhoptim-*.tar.gz")
+    session.run("tar", "-xzf", str(sdist), "-C", str(tmp), external=True)
+    src = tmp / sdist.name.removesuffix(".tar.gz")
+    # Editable, from the unpacked sdist: tests/test_packaging.py builds its own
+    # wheel and sdist from this tree and needs qhoptim out of site-packages.
+    session.install("-e", f"{src}[test,jax]", "tensorflow-cpu", "keras", *LOWEST)
+    session.chdir(src)
+    _core_tests(session)
+    _conformance(session, "numpy", "optax", table="lowest")
+    for backend in ("tensorflow", "jax"):
+        _conformance(session, "keras", table=f"lowest-keras-{backend}",
+                     env={"KERAS_BACKEND": backend})  # fmt: skip
+
+
 @nox.session(python=PYTHON)
+@timed
 def sweep(session: nox.Session) -> None:
     _install(session, "jax")
     session.install("scikit-learn", "matplotlib", *CONSTRAINTS)
@@ -160,22 +282,58 @@ def sweep(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+@timed
 def demo(session: nox.Session) -> None:
-    extras = session.posargs[0] if session.posargs else "torch,jax"
-    _install(session, f"test,{extras}")
-    session.install("keras>=3", *CONSTRAINTS)  # Keras 3 runs on the JAX installed above
-    session.run("python", "-m", "conformance.demo", env={"KERAS_BACKEND": "jax"})
+    # Every backend, Keras on each of its three backends (one process each).
+    # ``nox -s demo -- torch`` limits it to the extras named.
+    extras = (session.posargs[0] if session.posargs else "torch,jax,tensorflow").split(",")
+    _install(session, ",".join(["test", *(e for e in extras if e != "tensorflow")]))
+    session.install(*(TENSORFLOW if "tensorflow" in extras else ("keras>=3.10",)), *CONSTRAINTS)
+    session.run("python", "-m", "conformance.demo")
+
+
+CHROMIUM = ("chromium", "chromedriver")
+
+
+def _ensure_chromium(session: nox.Session) -> None:
+    """Debian's Chromium and its driver for the browser test: installed here when we can.
+
+    As root on a Debian-like system the session installs them with apt-get (as
+    a fresh CI machine needs); anywhere else it stops with what to install.
+    """
+    if all(shutil.which(c) for c in CHROMIUM):
+        return
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+        session.log("installing Debian's chromium and chromium-driver for the browser test")
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run(
+            "apt-get", "install", "-y", "-qq", "chromium", "chromium-driver",
+            external=True, env={"DEBIAN_FRONTEND": "noninteractive"},
+        )  # fmt: skip
+        if all(shutil.which(c) for c in CHROMIUM):
+            return
+    session.error(
+        "the docs session's browser test needs Chromium and its WebDriver on PATH "
+        "(`chromium` and `chromedriver`): on Debian or Ubuntu, as root, "
+        "`apt-get install chromium chromium-driver`; elsewhere install Chromium and the "
+        "matching ChromeDriver. To build the site without the browser test, run "
+        "`sphinx-build -W -b html docs docs/_build/html` in a venv with "
+        '`pip install -e ".[docs,jax,torch,test]"`.'
+    )
 
 
 @nox.session(python=PYTHON)
+@timed
 def docs(session: nox.Session) -> None:
     """The documentation site: build (warnings are errors), then test it in Chromium.
 
     The build runs the example scripts, the conformance suite and the recovery
     suite and draws the figures (docs/_ext/qhdocs.py). Keras runs on JAX here,
-    so no TensorFlow. The browser test needs Debian's chromium and
-    chromium-driver (.ci/run installs them) and writes artifacts/docs-*.png.
+    so no TensorFlow. The browser test needs Chromium and chromedriver
+    (installed by the session as root on Debian, see ``_ensure_chromium``) and
+    writes artifacts/docs-*.png.
     """
+    _ensure_chromium(session)
     _install(session, "docs,jax,torch,test")
     env = {"QHOPTIM_DOCS_STRICT": "1", "KERAS_BACKEND": "jax"}
     html = ROOT / "docs" / "_build" / "html"
@@ -183,12 +341,6 @@ def docs(session: nox.Session) -> None:
         "sphinx-build", "-W", "--keep-going", "-E", "-b", "html", "docs", str(html), env=env
     )
     session.run(
-        "python",
-        "-m",
-        "pytest",
-        "tests/docs",
-        "-p",
-        "no:cacheprovider",
-        *session.posargs,
+        "python", "-m", "pytest", "tests/docs", "-p", "no:cacheprovider", *session.posargs,
         env={"QHOPTIM_DOCS_REQUIRE": "1", "QHOPTIM_DOCS_HTML": str(html)},
-    )
+    )  # fmt: skip

@@ -6,7 +6,8 @@ The package root imports no ML framework. The framework-neutral core is:
 - :mod:`qhoptim.validation` -- hyperparameter checks shared by every backend;
 - :mod:`qhoptim.convert` -- conversions from other optimizers to QHM/QHAdam;
 - :mod:`qhoptim.analysis` -- QHAdam's update bound, QHWMA variance factor;
-- :mod:`qhoptim.reference` -- float64 NumPy reference optimizers.
+- :mod:`qhoptim.reference` -- float64 NumPy reference optimizers;
+- :mod:`qhoptim.common` -- qhoptim 1.1.0's ``param_conv``, on top of ``convert``.
 
 Backends live in ``qhoptim.torch``, ``qhoptim.keras`` and ``qhoptim.optax`` and
 import only their own framework.
@@ -19,9 +20,9 @@ from typing import Any
 
 __version__ = "2.0.0.dev0"
 
-__all__ = ["__version__", "analysis", "convert", "reference", "rules", "validation"]
+__all__ = ["__version__", "analysis", "common", "convert", "reference", "rules", "validation"]
 
-_CORE = frozenset({"analysis", "convert", "reference", "rules", "validation"})
+_CORE = frozenset({"analysis", "common", "convert", "reference", "rules", "validation"})
 
 
 def __getattr__(name: str) -> Any:

@@ -34,8 +34,12 @@ def _random_grads(n: int = 2000) -> np.ndarray:
 
 def _f32_bias_correction(beta: float, step: int) -> np.float32:
     # The float32 policy as a float32 backend evaluates it (optax without x64):
-    # the count is float32, log(beta) of a Python beta is taken in float64.
-    bc = rules.bias_correction(beta, np.float32(step), expm1=np.expm1)
+    # the count is float32, log(beta) of a Python beta is taken in float64 and
+    # then joins the float32 arithmetic as a weakly typed scalar does (NumPy 2's
+    # rule; spelled out so that NumPy 1.x, which would promote to float64, agrees).
+    bc = rules.bias_correction(
+        beta, np.float32(step), expm1=np.expm1, log=lambda b: np.float32(math.log(b))
+    )
     assert bc.dtype == np.float32
     return bc
 

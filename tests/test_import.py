@@ -19,6 +19,7 @@ def test_import_qhoptim_loads_no_framework() -> None:
     # Importing the core modules explicitly too: they are what backends import.
     code = (
         "import sys, json, qhoptim, qhoptim.rules, qhoptim.validation, qhoptim.reference\n"
+        "import qhoptim.convert, qhoptim.analysis, qhoptim.common, qhoptim.version\n"
         "print(json.dumps(sorted(m.split('.')[0] for m in sys.modules)))"
     )
     loaded = set(json.loads(_fresh(code)))

@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -49,6 +50,9 @@ CORE_MODULES = (
     "qhoptim.convert",
     "qhoptim.analysis",
     "qhoptim.reference",
+    "qhoptim.common",
+    "qhoptim.common.param_conv",
+    "qhoptim.version",
 )
 # Each backend module -> the top-level packages it needs (its extra's).
 BACKENDS: dict[str, tuple[str, ...]] = {
@@ -108,12 +112,12 @@ def _pip(*args: str, cwd: Path) -> None:
 
 
 def _has_build_backend() -> bool:
-    # pyproject's [build-system] requires setuptools>=68.
+    # pyproject's [build-system] requires setuptools>=77.
     try:
         version = importlib.metadata.version("setuptools")
     except importlib.metadata.PackageNotFoundError:
         return False
-    return int(version.split(".")[0]) >= 68
+    return int(version.split(".")[0]) >= 77
 
 
 def build_and_install(tmp: Path) -> Wheel:
@@ -255,9 +259,49 @@ def test_wheel_holds_every_source_module_and_py_typed(wheel: Wheel) -> None:
     missing = sorted(sources - names)
     assert not missing, f"modules missing from the wheel: {missing}"
     assert "qhoptim/py.typed" in names
+    # The license travels in the wheel (PEP 639: dist-info/licenses/).
+    assert f"qhoptim-{_version_in_source()}.dist-info/licenses/LICENSE" in names, sorted(names)
     # Nothing but the package itself: no tests/, conformance/, benchmarks/.
     strays = sorted(n for n in names if n.split("/")[0] != "qhoptim" and ".dist-info/" not in n)
     assert not strays, strays
+
+
+def _version_in_source() -> str:
+    from qhoptim import __version__
+
+    return __version__
+
+
+def test_sdist_holds_what_its_tests_import(tmp_path: Path) -> None:
+    """The sdist is a source release: its tests and the conformance suite they import ride along."""
+    src = tmp_path / "src"
+    shutil.copytree(
+        REPO, src,
+        ignore=shutil.ignore_patterns(".git", ".nox", "__pycache__", "_build", "artifacts",
+                                      "*.egg-info", "build", "dist"),
+    )  # fmt: skip
+    dist = tmp_path / "dist"
+    code = "import sys, setuptools.build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(dist)], cwd=src, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    sdist = dist / proc.stdout.strip().splitlines()[-1]
+    top = f"qhoptim-{_version_in_source()}"
+    assert sdist.name == f"{top}.tar.gz"
+    with tarfile.open(sdist) as tf:
+        names = {n.removeprefix(f"{top}/") for n in tf.getnames()}
+    needed = {
+        p.relative_to(REPO).as_posix()
+        for folder in ("qhoptim", "tests", "conformance", "benchmarks")
+        for pattern in ("*.py", "*.toml", "*.cpp")
+        for p in (REPO / folder).rglob(pattern)
+        if "__pycache__" not in p.parts
+    }
+    needed |= {"LICENSE", "README.md", "pyproject.toml", "noxfile.py", ".ci/constraints.txt"}
+    missing = sorted(needed - names)
+    assert not missing, f"files missing from the sdist: {missing}"
 
 
 def test_core_modules_import_from_the_wheel(wheel: Wheel, outside: Path) -> None:

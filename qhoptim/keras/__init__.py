@@ -55,17 +55,24 @@ except ImportError as error:  # pragma: no cover - exercised where Keras is abse
 __all__ = ["QHM", "QHAdam", "QHAdamW"]
 
 
+# The oldest Keras tested (the lowest nox session): 3.10 added
+# Optimizer.add_optimizer_variables, which build() uses.
+MIN_KERAS = (3, 10)
+
+
 def _check_keras_version(version: str, environ: Any = os.environ) -> None:
-    """Refuse Keras 2; warn when ``tf.keras`` has been switched to Keras 2 (tf_keras)."""
+    """Refuse Keras 2 and Keras 3 before 3.10; warn when ``tf.keras`` has been switched
+    to Keras 2 (tf_keras)."""
     try:
-        major = int(version.split(".")[0])
+        major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:  # pragma: no cover - an unparsable version: let Keras fail later
         return
-    if major < 3:
+    if (major, minor) < MIN_KERAS:
         raise ImportError(
-            f"qhoptim.keras requires Keras 3 (found keras {version}). Install it with "
-            "`pip install -U 'keras>=3'` (TensorFlow >= 2.16 ships Keras 3 as tf.keras). "
-            "Keras 2 and tf_keras optimizers are not supported."
+            f"qhoptim.keras requires Keras >= {MIN_KERAS[0]}.{MIN_KERAS[1]} (found keras "
+            f"{version}). Install it with `pip install -U 'keras>=3.10'` (Keras 3 is "
+            "TensorFlow's tf.keras from TensorFlow 2.16). Keras 2 and tf_keras optimizers "
+            "are not supported; Keras before 3.10 lacks Optimizer.add_optimizer_variables."
         )
     if environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes"):
         warnings.warn(

@@ -31,10 +31,10 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer
 
 from qhoptim import rules
 from qhoptim.torch import _kernels
+from qhoptim.torch._optimizer import group_by_device_and_dtype
 
 __all__ = [
     "check_fused",
@@ -189,10 +189,7 @@ def _groups_with_indices(
     """The lists by device and dtype (DTensors as their local shards), each group's
     positions in the lists last."""
     tensorlists = [[_local(t) for t in ts] for ts in tensorlists]
-    grouped = Optimizer._group_tensors_by_device_and_dtype(
-        tensorlists,  # type: ignore[arg-type]
-        with_indices=True,
-    )
+    grouped = group_by_device_and_dtype(tensorlists, with_indices=True)
     return [
         (cast(torch.device, device), [*(cast(list[Tensor], ts) for ts in lists), indices])
         for (device, _), (lists, indices) in grouped.items()

@@ -35,9 +35,9 @@ from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer
 
 from qhoptim import rules
+from qhoptim.torch._optimizer import group_by_device_and_dtype
 
 __all__ = [
     "QHAdamHyperparameters",
@@ -113,7 +113,9 @@ def _chunks(tensors: Sequence[Tensor], per_tensor: bool = False) -> list[slice]:
 
 def abs_sq(x: Tensor) -> Tensor:
     """``|x|**2`` (real, without a square root): ``x * x`` for real tensors."""
-    return torch.real(x * x.conj()) if x.is_complex() else x * x
+    # dtype.is_complex, not Tensor.is_complex(): torch.compile before 2.4 breaks
+    # the graph on the method call.
+    return torch.real(x * x.conj()) if x.dtype.is_complex else x * x
 
 
 def _sqrt(x: Any) -> Any:
@@ -275,7 +277,7 @@ def qhm_(
     grad_value = _times(-hp.lr, c.grad_weight) if c.grad_weight != 0 else None
     for chunk in _chunks(params, per_tensor):
         ps, gs, bufs = params[chunk], grads[chunk], momentum_buffers[chunk]
-        if ps[0].is_complex():
+        if ps[0].dtype.is_complex:
             ps, gs, bufs = _real_views(ps, gs, bufs)
         gs = decay_grads(ps, gs, hp)
         torch._foreach_lerp_(bufs, gs, c.grad_to_buffer)
@@ -421,7 +423,7 @@ def qhadam_(
         ps, gs, ms, ss = params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk]
         gs = decay_grads(ps, gs, hp)
         grad_sqs = None
-        if ps[0].is_complex():
+        if ps[0].dtype.is_complex:
             grad_sqs = [abs_sq(g) for g in gs]
             ps, gs, ms = _real_views(ps, gs, ms)
         # Each moment is a QH average (paper, Sec. 5): its EWMA weights are QHM's.
@@ -532,10 +534,7 @@ def _by_device_and_dtype(
     tensorlists: list[list[Tensor]], *extra: Sequence[Any]
 ) -> list[list[list[Any]]]:
     """The lists split by device and dtype; ``extra`` lists (of numbers) split alike."""
-    grouped = Optimizer._group_tensors_by_device_and_dtype(
-        tensorlists,  # type: ignore[arg-type]
-        with_indices=True,
-    )
+    grouped = group_by_device_and_dtype(tensorlists, with_indices=True)
     return [
         [cast(list[Any], ts) for ts in lists] + [[e[i] for i in indices] for e in extra]
         for lists, indices in grouped.values()

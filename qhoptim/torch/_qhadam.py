@@ -8,26 +8,25 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import (
-    ParamsT,
-    _capturable_doc,
-    _differentiable_doc,
-    _foreach_doc,
-    _maximize_doc,
-    _params_doc,
-    _to_scalar,
-)
+from torch.optim.optimizer import ParamsT
 
 from qhoptim import convert, rules, validation
 from qhoptim.torch import _fused, _kernels
 from qhoptim.torch._optimizer import (
     QHOptimizer,
+    capturable_doc,
     cast_complex_state,
     default_foreach,
+    differentiable_doc,
+    foreach_doc,
+    group_by_device_and_dtype,
     lr_value,
+    maximize_doc,
     needs_formula,
     numbers_only,
     on_device_kernels,
+    params_doc,
+    scalar_lr,
     value_of,
 )
 
@@ -248,7 +247,7 @@ _QHADAM_MATH = r"""
 
 def _qhadam_args_doc(weight_decay: str) -> str:
     return rf"""
-        {_params_doc}
+        {params_doc}
         lr (float, Tensor, optional): learning rate :math:`\alpha` (default: 1e-3)
         betas (tuple[float, float], optional): :math:`(\beta_1, \beta_2)`, each in
             [0, 1) (default: (0.9, 0.999))
@@ -260,11 +259,10 @@ def _qhadam_args_doc(weight_decay: str) -> str:
 _QHADAM_FLAGS_DOC = rf"""
         eps (float, optional): added to the denominator after the square root
             (default: 1e-8)
-        {_maximize_doc}
-        {_foreach_doc}
-            Here the default also picks foreach on CPU, where it was measured faster.
-        {_capturable_doc}
-        {_differentiable_doc}
+        {maximize_doc}
+        {foreach_doc}
+        {capturable_doc}
+        {differentiable_doc}
 """
 
 QHAdam.__doc__ = (
@@ -423,9 +421,7 @@ def _multi_tensor_qhadam(
             differentiable=differentiable,
         )
         return
-    grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype(
-        [params, grads, exp_avgs, exp_avg_sqs, state_steps]  # type: ignore[list-item]
-    )
+    grouped = group_by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs, state_steps])
     for lists, _ in grouped.values():
         ps, gs, ms, ss, steps = (cast(list[Tensor], x) for x in lists)
         # The step counts live on the CPU unless capturable; adding a CPU
@@ -474,7 +470,7 @@ def qhadam(
     if not torch.compiler.is_compiling() and not all(isinstance(t, Tensor) for t in state_steps):
         raise RuntimeError("`state_steps` must be a list of singleton tensors")
     hp = _kernels.QHAdamHyperparameters(
-        _to_scalar(lr), beta1, beta2, nu1, nu2, eps, weight_decay, decoupled_weight_decay, maximize
+        scalar_lr(lr), beta1, beta2, nu1, nu2, eps, weight_decay, decoupled_weight_decay, maximize
     )
     if fused:
         _fused.fused_qhadam(

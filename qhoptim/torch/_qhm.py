@@ -8,27 +8,25 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import (
-    ParamsT,
-    _capturable_doc,
-    _differentiable_doc,
-    _foreach_doc,
-    _maximize_doc,
-    _params_doc,
-    _to_scalar,
-    required,
-)
+from torch.optim.optimizer import ParamsT
 
 from qhoptim import convert, validation
 from qhoptim.torch import _fused, _kernels
 from qhoptim.torch._optimizer import (
     QHOptimizer,
+    capturable_doc,
     cast_complex_state,
     default_foreach,
+    differentiable_doc,
+    foreach_doc,
     lr_value,
+    maximize_doc,
     needs_formula,
     numbers_only,
     on_device_kernels,
+    params_doc,
+    required,
+    scalar_lr,
 )
 
 __all__ = ["QHM", "qhm"]
@@ -187,7 +185,7 @@ QHM.__doc__ = rf"""Quasi-hyperbolic momentum (QHM) of `Ma and Yarats (2019)`_.
     1.1.0's ``weight_decay_type`` now spelled ``decoupled_weight_decay``.
 
     Args:
-        {_params_doc}
+        {params_doc}
         lr (float, Tensor): learning rate :math:`\alpha` (required, as in 1.1.0,
             unless every param group sets its own). A tensor must have one element.
         momentum (float, optional): :math:`\beta`, in [0, 1) (default: 0.999)
@@ -200,15 +198,14 @@ QHM.__doc__ = rf"""Quasi-hyperbolic momentum (QHM) of `Ma and Yarats (2019)`_.
             :math:`1 - \alpha\lambda` before the step, as AdamW. 1.1.0's
             ``weight_decay_type="grad"`` / ``"direct"`` is still read, with a
             ``DeprecationWarning``. (default: False)
-        {_maximize_doc}
-        {_foreach_doc}
-            Here the default also picks foreach on CPU, where it was measured faster.
-        {_capturable_doc}
+        {maximize_doc}
+        {foreach_doc}
+        {capturable_doc}
             QHM keeps no step counter, so with float hyperparameters it is always
             capturable; ``capturable=True`` also takes a tensor ``lr`` on the
             device (the loop through :func:`qhoptim.rules.qhm_update`, foreach
             with the tensor as a kernel operand).
-        {_differentiable_doc}
+        {differentiable_doc}
 
     Example:
         >>> optimizer = QHM(model.parameters(), lr=1.0, momentum=0.999, nu=0.7)
@@ -291,7 +288,7 @@ def qhm(
     as ``torch.amp.GradScaler`` sets them on the optimizer).
     """
     hp = _kernels.QHMHyperparameters(
-        _to_scalar(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize
+        scalar_lr(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize
     )
     if fused:
         _fused.fused_qhm(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import warnings
 
 import keras
@@ -228,13 +229,24 @@ def test_base_class_errors_are_keras_own() -> None:
 # ------------------------------------------------------------------------ Keras 2
 
 
-def test_keras_2_is_refused_on_import(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Execute the module's source as a fresh module, with keras looking like 2.x.
-    monkeypatch.setattr(keras, "__version__", "2.15.0")
+@pytest.mark.parametrize("version", ["2.15.0", "3.0.0", "3.9.2"])
+def test_keras_before_3_10_is_refused_on_import(
+    monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    # Execute the module's source as a fresh module, with keras looking older.
+    monkeypatch.setattr(keras, "__version__", version)
     spec = importlib.util.spec_from_file_location("_qhoptim_keras_probe", qk.__file__)
     module = importlib.util.module_from_spec(spec)
-    with pytest.raises(ImportError, match=r"requires Keras 3 \(found keras 2\.15\.0\)"):
+    match = rf"requires Keras >= 3\.10 \(found keras {re.escape(version)}\)"
+    with pytest.raises(ImportError, match=match):
         spec.loader.exec_module(module)
+
+
+def test_keras_3_10_and_later_are_accepted() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for version in ("3.10.0", "3.15.1", "4.0.0"):
+            qk._check_keras_version(version, {})
 
 
 def test_legacy_tf_keras_switch_warns() -> None:

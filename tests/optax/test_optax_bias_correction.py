@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import qhoptim.optax as qho
+from conformance.adapters.optax import x64
 from qhoptim import rules
 
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -43,7 +44,7 @@ def test_first_adam_step_is_lr_times_sign_in_float32(b1: float, b2: float, injec
     # Adam-equivalent QHAdam (nus = 1, eps = 0, lr = 1): the first step is
     # -sign(grad). With 1 - beta**t in float32 it is ~16% short at b1 = 0.9999999.
     factory = optax.inject_hyperparams(qho.qhadam) if inject else qho.qhadam
-    with jax.enable_x64(False):
+    with x64(False):
         tx = factory(learning_rate=1.0, b1=b1, b2=b2, nu1=1.0, nu2=1.0, eps=0.0)
         exact = _first_update(tx, EXACT_GRADS)
         grads = _random_grads()
@@ -56,7 +57,7 @@ def test_first_adam_step_is_lr_times_sign_in_float32(b1: float, b2: float, injec
 
 
 def test_float32_state_and_bias_corrections_stay_float32() -> None:
-    with jax.enable_x64(False):
+    with x64(False):
         tx = qho.scale_by_qhadam(b1=0.9999999)
         x = jnp.ones(3, jnp.float32)
         _, state = tx.update(x, tx.init(x))
@@ -72,7 +73,7 @@ def test_float32_state_and_bias_corrections_stay_float32() -> None:
 def test_float32_bias_correction_has_float32_relative_precision(beta: float, step: int) -> None:
     exact = 1.0 if beta == 0 else -math.expm1(step * math.log(beta))
     count = jnp.asarray(step, jnp.int32)
-    with jax.enable_x64(False):
+    with x64(False):
         python_beta = qho._bias_correction(beta, count)
         traced_beta = jax.jit(qho._bias_correction)(jnp.float32(beta), count)
     assert python_beta.dtype == traced_beta.dtype == jnp.float32

@@ -320,6 +320,9 @@ def _make_scheduler(name: str, opt: torch.optim.Optimizer) -> Any:
     return _schedulers(opt)[name]
 
 
+# torch < 2.5's SequentialLR calls scheduler.step(0), which warns about the
+# epoch argument (with torch.optim.SGD as well).
+@pytest.mark.filterwarnings("ignore:The epoch parameter in `scheduler.step\\(\\)`:UserWarning")
 @pytest.mark.parametrize("name", [*SCHEDULERS, "SequentialLR", "ChainedScheduler"])
 @pytest.mark.parametrize(
     ("cls", "kwargs"),

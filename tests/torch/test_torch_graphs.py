@@ -71,6 +71,8 @@ def _pair(cls: type, kwargs: dict[str, Any]) -> tuple[Any, Any, list[Any], list[
 @pytest.mark.compile
 # Inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+# torch 2.3's inductor loads its compiled modules with the deprecated load_module().
+@pytest.mark.filterwarnings("ignore:the load_module\\(\\) method is deprecated:DeprecationWarning")
 @pytest.mark.parametrize(
     ("cls", "kwargs"),
     [
