@@ -18,7 +18,8 @@ Sessions (``nox -l`` lists them; ``nox`` runs all but ``demo``):
   lowest       Python 3.10 with the lowest versions pyproject declares
                (.ci/lowest-constraints.txt): core tests, the conformance rows
                of optax and of Keras on TensorFlow and on JAX
-  sweep        the paper's parameter sweep, --quick smoke run (full: see docs/sweep.md)
+  sweep        the paper's parameter sweep and its AggMo comparison, --quick smoke
+               runs (full: see docs/sweep.md and docs/aggmo.md)
   docs         the site, built with warnings as errors, then tested in Chromium
   demo         the same problems through every installed backend, agreement printed
 
@@ -276,9 +277,14 @@ def lowest(session: nox.Session) -> None:
 def sweep(session: nox.Session) -> None:
     _install(session, "jax")
     session.install("scikit-learn", "matplotlib", *CONSTRAINTS)
-    out = ARTIFACTS / ("sweep" if "--full" in session.posargs else "sweep-quick")
-    quick = [] if "--full" in session.posargs else ["--quick"]
-    session.run("python", "benchmarks/sweep.py", *quick, "--out", str(out))
+    # Both of the paper's small studies reproduced here: the parameter sweep
+    # (docs/sweep.md) and QHM against AggMo (docs/aggmo.md); quick smoke runs
+    # unless ``nox -s sweep -- --full``.
+    full = "--full" in session.posargs
+    quick = [] if full else ["--quick"]
+    for study in ("sweep", "aggmo"):
+        out = ARTIFACTS / (study if full else f"{study}-quick")
+        session.run("python", f"benchmarks/{study}.py", *quick, "--out", str(out))
 
 
 @nox.session(python=PYTHON)

@@ -41,6 +41,7 @@ __all__ = [
     "SOURCES",
     "AccSGD",
     "Adam",
+    "AggMo",
     "AnPID",
     "NAdam",
     "RMSprop",
@@ -348,6 +349,38 @@ class TwoStateOptimizer(_Iterate):
         }
 
 
+# -------------------------------------------------------------------------- AggMo
+@dataclass(frozen=True)
+class AggMo(_Iterate):
+    r"""Aggregated Momentum of Lucas, Sun, Zemel & Grosse (2019), ICLR.
+
+    As Ma & Yarats (2019), App. H write it (and the authors' PyTorch ``AggMo``
+    computes it: zero buffers, ``lr / K`` per buffer): ``K = len(betas)``
+    unnormalized buffers, one per discount, none merged::
+
+        g_i <- betas[i] * g_i + grad                   for i = 1 .. K   (g_i = 0 initially)
+        x   <- x - (lr / K) * sum_i g_i                AggMo (lr a number)
+        x   <- x - (1 / K) * sum_i lr[i] * g_i         extended AggMo (lr: one rate per buffer)
+
+    Only arithmetic touches the arrays, so it also runs on JAX arrays (traced
+    ``lr`` included); ``benchmarks/aggmo.py`` trains with this class.
+    """
+
+    lr: Any  # a number, or a sequence of len(betas) per-buffer rates
+    betas: tuple[float, ...]
+
+    def init(self, x0: F64) -> State:
+        # 0 * x0: zero buffers of x0's shape and array type (NumPy or JAX).
+        return {"x": x0, "bufs": tuple(0 * x0 for _ in self.betas)}
+
+    def update(self, s: State, g: F64) -> State:
+        k = len(self.betas)
+        rates = tuple(self.lr) if isinstance(self.lr, (tuple, list)) else (self.lr,) * k
+        bufs = tuple(b * buf + g for b, buf in zip(self.betas, s["bufs"], strict=True))
+        step = sum(r * buf for r, buf in zip(rates, bufs, strict=True)) / k
+        return {"x": s["x"] - step, "bufs": bufs}
+
+
 # ----------------------------------------------------------------- Adam family
 @dataclass(frozen=True)
 class Adam(_Iterate):
@@ -436,6 +469,7 @@ SOURCES: dict[str, Callable[..., Any]] = {
     "triple_momentum": TripleMomentum,
     "accsgd": AccSGD,
     "two_state": TwoStateOptimizer,
+    "aggmo": AggMo,
     "adam": Adam,
     "nadam": NAdam,
     "rmsprop": RMSprop,
@@ -444,6 +478,7 @@ SOURCES: dict[str, Callable[..., Any]] = {
 
 def run_source(name: str, grad_fn: GradFn, x0: F64, steps: int, **params: Any) -> F64:
     """``run_<name>``: build source ``name`` from ``params`` and run it closed-loop."""
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
+    for key in ("betas", "lr"):
+        if isinstance(params.get(key), list):
+            params[key] = tuple(params[key])
     return run(SOURCES[name](**params), grad_fn, x0, steps)

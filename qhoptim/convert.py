@@ -22,6 +22,8 @@ Which are exact and which are not
 the usual initial state (zero buffers). The QHAdam conversions of NAdam and
 RMSProp hold only *modulo bias correction*: exactly when both sides drop their
 bias corrections (``qhoptim.reference.QHAdam.step(..., bias_correction=False)``).
+:func:`aggmo_effective_lr` is not a conversion at all but the paper's
+*heuristic* for Aggregated Momentum settings that no QHM reproduces.
 
 Every formula here was checked against a naive implementation of the source
 algorithm written from its own paper (``conformance/sources.py``); where the
@@ -36,8 +38,8 @@ This module imports only :mod:`math` and :mod:`qhoptim.validation`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, cast
 
 from qhoptim import validation
 
@@ -45,8 +47,10 @@ __all__ = [
     "QHAdamParams",
     "QHMParams",
     "TwoStateInitialBuffer",
+    "aggmo_effective_lr",
     "from_accsgd",
     "from_adam",
+    "from_aggmo",
     "from_an_pid",
     "from_momentum",
     "from_nadam",
@@ -570,6 +574,185 @@ def two_state_initial_buffer(
     if anb == 0.0:
         return TwoStateInitialBuffer(0.0, 0.0)
     return TwoStateInitialBuffer(-float(m) / anb, (1 - float(q)) / anb)
+
+
+# ----------------------------------------------------------------------- AggMo
+def _vector(value: object) -> list[Any] | None:
+    """``value`` as a list if it is a sequence or a 1-d array (not a string), else ``None``."""
+    if isinstance(value, (str, bytes)):
+        return None
+    if isinstance(value, Sequence):
+        return list(value)
+    if getattr(value, "ndim", None) == 1:  # a NumPy vector
+        return list(cast(Iterable[Any], value))
+    return None
+
+
+def _aggmo_args(lr: float | Sequence[float], betas: Sequence[float]) -> list[tuple[float, float]]:
+    """Checked ``(rate, discount)`` per AggMo buffer: ``lr`` is one rate or one per buffer."""
+    raw_betas = _vector(betas)
+    if not raw_betas:
+        raise ValueError(
+            f"betas must be a non-empty sequence of discount factors; received betas={betas!r}"
+        )
+    discounts = [
+        _checked(validation.check_beta, b, f"betas[{i}]") + 0.0  # -0.0 -> 0.0
+        for i, b in enumerate(raw_betas)
+    ]
+    k = len(discounts)
+    rates_in = _vector(lr)
+    if rates_in is None:
+        rates = [_checked(validation.check_lr, lr, "lr")] * k  # type: ignore[arg-type]
+    elif len(rates_in) == k:
+        rates = [_real(r, f"lr[{i}]") for i, r in enumerate(rates_in)]
+    else:
+        raise ValueError(
+            "lr must be one number (AggMo) or one rate per buffer (extended AggMo: "
+            f"len(betas) = {k} rates); received lr={lr!r}"
+        )
+    return list(zip(rates, discounts, strict=True))
+
+
+def _aggmo_weights(lr: float | Sequence[float], betas: Sequence[float]) -> dict[float, float]:
+    """AggMo as ``{discount: weight}``: buffers of equal discount merged, zero weights dropped.
+
+    Buffers of equal discount start at zero and see the same gradients, so they
+    are equal forever: ``(1/K) sum_i lr_i g_i`` has the weight
+    ``(1/K) sum_{i: beta_i = b} lr_i`` on the buffer of discount ``b``.
+    """
+    pairs = _aggmo_args(lr, betas)
+    k = len(pairs)
+    merged: dict[float, list[float]] = {}
+    for rate, discount in pairs:
+        merged.setdefault(discount, []).append(rate)
+    weights = {b: _group_weight(rates, k) for b, rates in sorted(merged.items())}
+    return {b: w for b, w in weights.items() if w != 0.0}
+
+
+def _group_weight(rates: list[float], k: int) -> float:
+    # n equal rates: rate * (n / k), exactly the rate when n = k (AggMo with one discount).
+    if all(r == rates[0] for r in rates):
+        return rates[0] * (len(rates) / k)
+    return math.fsum(rates) / k
+
+
+def from_aggmo(lr: float | Sequence[float], betas: Sequence[float]) -> QHMParams:
+    r"""Aggregated Momentum (AggMo) as QHM -- exact for two buffer sets only.
+
+    Source: J. Lucas, S. Sun, R. Zemel, R. Grosse (2019), "Aggregated Momentum:
+    stability through passive damping", ICLR; as Ma & Yarats (2019), App. H
+    state it (and the authors' PyTorch ``AggMo``: zero buffers, step ``lr / K``
+    per buffer). ``K`` unnormalized buffers, one per discount
+    :math:`\beta^{(i)}`, all starting at zero:
+
+    .. math::
+
+        g^{(i)}_{t+1} = \beta^{(i)} g^{(i)}_t + \nabla_t, \qquad
+        \theta_{t+1} = \theta_t - \frac{1}{K} \sum_{i=1}^K \gamma^{(i)} g^{(i)}_{t+1}
+
+    with :math:`\gamma^{(i)} = \gamma` (``lr`` a number: AggMo) or one rate per
+    buffer (``lr`` a sequence of ``K`` rates: *extended* AggMo).
+
+    Derivation. Buffers of equal discount start equal (zero) and see the same
+    gradients, so they stay equal: merged, the discount :math:`b` carries the
+    weight :math:`c_b = \frac{1}{K}\sum_{i:\beta^{(i)}=b} \gamma^{(i)}`, and a
+    discount whose rates sum to zero is dropped. A :math:`b = 0` buffer is the
+    gradient itself. What remains is a QHM exactly when its discounts are
+    :math:`\{\beta\}` or :math:`\{0, \beta\}`: QHM's normalized buffer from
+    :math:`g_0 = 0` is :math:`g_t = (1 - \beta) m_t` with
+    :math:`m_{t+1} = \beta m_t + \nabla_t`, :math:`m_0 = 0` (by induction), so
+    :math:`\theta_{t+1} = \theta_t - c_0 \nabla_t - c_\beta m_{t+1}` is QHM with
+
+    .. math::
+
+        \alpha = c_0 + \frac{c_\beta}{1 - \beta}, \quad
+        \nu = \frac{c_\beta}{(1 - \beta) \alpha}, \quad \beta = \beta
+
+    and no special initial buffer. :math:`\{\beta\}` alone (:math:`c_0 = 0`) is
+    momentum, :math:`\nu = 1`; :math:`\{0\}` alone is SGD with step
+    :math:`c_0` (returned as ``nu = 0``, ``momentum = 0``). Note that
+    :math:`\alpha` is then exactly :func:`aggmo_effective_lr`. Conversely every
+    QHM is extended AggMo with ``betas = [0, beta]`` and
+    ``lr = [2 alpha (1 - nu), 2 alpha nu (1 - beta)]`` (App. H's remark).
+
+    Any other set -- two nonzero discounts, or three or more distinct ones, such
+    as AggMo's usual ``[0, 0.9, 0.99]`` -- mixes several geometric decays that
+    one QHM buffer cannot produce: this raises ``ValueError``. The paper's
+    answer for those is a heuristic, :func:`aggmo_effective_lr`, with
+    :math:`\nu` and :math:`\beta` chosen by hand.
+
+    Preconditions: ``betas`` a non-empty sequence with ``0 <= betas[i] < 1``;
+    ``lr >= 0`` if a number, else ``len(betas)`` finite rates (of any sign:
+    App. H lets :math:`\gamma \in \mathbb{R}^K`); after merging, at most one
+    nonzero discount with a nonzero weight; the resulting ``alpha > 0`` (or
+    every weight 0, giving ``QHMParams(0, 0, 0)``).
+    """
+    weights = _aggmo_weights(lr, betas)
+    moving = [b for b in weights if b != 0.0]
+    if len(moving) > 1:
+        raise ValueError(
+            "betas must contain at most one nonzero discount with a nonzero rate for AggMo to "
+            "be a QHM (the distinct discounts, equal ones merged, must be {beta} or {0, beta}); "
+            f"received betas={betas!r} (nonzero discounts with nonzero rates: "
+            f"{', '.join(f'{b:g}' for b in moving)}). No QHM reproduces this AggMo; "
+            "aggmo_effective_lr(lr, betas) is the paper's heuristic QHM step size for it "
+            "(Ma & Yarats, 2019, App. H), not an equivalence"
+        )
+    c0 = weights.get(0.0, 0.0)
+    if not moving:  # plain SGD with step c0 (or nothing at all)
+        if c0 < 0.0:
+            raise ValueError(
+                "the AggMo step sum(lr) / len(betas) must be >= 0 when every discount is 0; "
+                f"received lr={lr!r}, betas={betas!r} (step={c0:g})"
+            )
+        return _qhm(c0, 0.0, 0.0)
+    beta = moving[0]
+    slow = weights[beta] / (1 - beta)
+    alpha = c0 + slow
+    if not alpha > 0.0:
+        raise ValueError(
+            "the QHM lr sum_i lr[i] / (len(betas) * (1 - betas[i])) must be > 0; "
+            f"received lr={lr!r}, betas={betas!r} (lr={alpha:g})"
+        )
+    return _qhm(alpha, slow / alpha, beta)
+
+
+def aggmo_effective_lr(lr: float | Sequence[float], betas: Sequence[float]) -> float:
+    r"""Ma & Yarats's *effective step size* of an AggMo setting -- a heuristic, not an equivalence.
+
+    Source: Ma & Yarats (2019), App. H ("Parameterizing QHM"):
+
+    .. math::
+
+        \alpha = \frac{1}{K} \sum_{i=1}^K \frac{\gamma^{(i)}}{1 - \beta^{(i)}}
+
+    (``lr`` a number :math:`\gamma` or one rate per buffer, as in
+    :func:`from_aggmo`). For the paper's "AggMo-Best", ``lr = 0.1`` and
+    ``betas = [0, 0.9, 0.99, 0.999]``, this is ``27.775``, which the paper
+    rounds to ``alpha = 28`` and pairs with ``nu = 0.97``, ``beta = 0.999``
+    chosen by hand ("QHM-Converted").
+
+    What it means: on a constant gradient :math:`G`, AggMo's buffer
+    :math:`i` tends to :math:`G / (1 - \beta^{(i)})`, so its step tends to
+    :math:`\alpha G` -- the step every QHM with learning rate :math:`\alpha`
+    tends to, whatever its :math:`\nu` and :math:`\beta`. Equivalently, both
+    give every gradient the same *total* weight over all later steps. How that
+    weight is spread over time differs (AggMo: a sum of ``K`` geometric decays;
+    QHM: an immediate part and one decay), so trajectories differ. Only where
+    :func:`from_aggmo` applies (discounts :math:`\{\beta\}` or
+    :math:`\{0, \beta\}`) is this the exact QHM learning rate.
+
+    Preconditions: as :func:`from_aggmo` for ``lr`` and ``betas`` (any set of
+    discounts); the result must be ``>= 0``.
+    """
+    pairs = _aggmo_args(lr, betas)
+    alpha = math.fsum(rate / (1 - b) for rate, b in pairs) / len(pairs)
+    if alpha < 0.0:
+        raise ValueError(
+            "the effective step size sum_i lr[i] / (len(betas) * (1 - betas[i])) must be >= 0; "
+            f"received lr={lr!r}, betas={betas!r} (effective lr={alpha:g})"
+        )
+    return alpha
 
 
 # ------------------------------------------------------------------ Adam family

@@ -534,3 +534,46 @@ def test_numpy_scalars_accepted_and_module_is_numpy_free():
         qhadam_update_bound(0.7, np.float64(0.95), 1.0, 0.9)
     code = "import sys, qhoptim.analysis; assert 'numpy' not in sys.modules, 'numpy imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------- what nu2 does to the bound (docs)
+@pytest.mark.parametrize("beta2", [0.98, 0.999])
+def test_nu2_alone_at_0_7_loosens_adams_bound(beta2):
+    # docs/analysis.md, README: with nu1 = 1, nu2 = 0.7 is *worse* than Adam.
+    adam = adam_update_bound(0.9, beta2)
+    assert qhadam_update_bound(1.0, 0.9, 0.7, beta2) > adam
+    # ... while nu2 at its optimum is below Adam, by little (< 10%).
+    star, best = qhadam_bound_optimal_nu2(1.0, 0.9, beta2)
+    assert star > 0.95
+    assert 0.9 * adam < best < adam
+
+
+@pytest.mark.parametrize(
+    ("beta1", "beta2"), [(0.9, 0.98), (0.9, 0.999), (0.3, 0.95), (0.9, 0.85), (0.7, 0.6)]
+)
+def test_with_nu1_one_nu2_below_one_helps_iff_beta1_below_beta2(beta1, beta2):
+    # From the convex form A/(1-u) + C/u (u = nu2 beta2): the optimum u* lies
+    # below beta2 iff beta1 < beta2 when nu1 = 1; check against a fine grid.
+    star, _ = qhadam_bound_optimal_nu2(1.0, beta1, beta2)
+    grid = np.linspace(0.05, 1.0, 2000)
+    at_one = qhadam_update_bound(1.0, beta1, 1.0, beta2)
+    below = min(qhadam_update_bound(1.0, beta1, float(v), beta2) for v in grid[:-1])
+    assert (star < 1.0) is (beta1 < beta2) is (below < at_one)
+
+
+@pytest.mark.parametrize("beta2", [0.98, 0.999])
+def test_nu1_below_one_raises_the_bound_and_the_pair_lowers_it(beta2):
+    adam = adam_update_bound(0.9, beta2)
+    for nu1 in (0.9, 0.8, 0.7):
+        assert qhadam_update_bound(nu1, 0.9, 1.0, beta2) > adam
+        assert qhadam_bound_optimal_nu2(nu1, 0.9, beta2)[1] < adam
+
+
+def test_wmt_setting_gain_comes_mostly_from_beta1():
+    # The paper's WMT16 setting against its Adam baseline (beta1 = 0.9).
+    qh = qhadam_update_bound(0.8, 0.95, 0.7, 0.98)
+    baseline = adam_update_bound(0.9, 0.98)
+    adam_beta1 = adam_update_bound(0.95, 0.98)
+    nu1_alone = qhadam_update_bound(0.8, 0.95, 1.0, 0.98)
+    assert qh < adam_beta1 < baseline < nu1_alone
+    assert baseline - adam_beta1 > adam_beta1 - qh  # most of the gain: beta1

@@ -33,6 +33,7 @@ QHM_CONVERSIONS: list[tuple[Callable[..., Any], dict[str, Any]]] = [
         convert.from_two_state_optimizer,
         {"h": 0.5, "k": -0.75, "l": 0.001, "m": 0.2, "q": 1.3, "z": -0.001},
     ),
+    (convert.from_aggmo, {"lr": 0.1, "betas": [0.0, 0.9]}),
 ]
 QHADAM_CONVERSIONS: list[tuple[Callable[..., Any], dict[str, Any]]] = [
     (convert.from_adam, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}),
@@ -208,6 +209,82 @@ def test_adam_family() -> None:
     assert convert.from_rmsprop(1e-2, 0.99, 1e-8) == QHAdamParams(
         1e-2, (0.0, 0.99), (0.0, 1.0), 1e-8
     )
+
+
+def test_aggmo_closed_forms() -> None:
+    # [0, beta] (App. H): c_0 = c_beta = lr / 2; alpha = c_0 + c_beta / (1 - beta).
+    assert convert.from_aggmo(0.1, [0.0, 0.9]) == approx(QHMParams(0.55, 10 / 11, 0.9))
+    # K = 1: momentum, as torch's SGD momentum (same unnormalized buffer).
+    assert convert.from_aggmo(0.1, [0.9]) == approx(convert.from_momentum(0.1, 0.9))
+    assert convert.from_aggmo(0.1, (0.9,)).nu == 1.0
+    # Every discount 0: SGD with step lr; K = 1, beta = 0 too.
+    assert convert.from_aggmo(0.1, [0.0, 0.0, 0.0]) == QHMParams(0.1, 0.0, 0.0)
+    assert convert.from_aggmo(0.1, [0.0]) == QHMParams(0.1, 0.0, 0.0)
+    # Extended AggMo: per-buffer rates, weights c_b = rate / K.
+    p = convert.from_aggmo([0.3, 0.6], [0.0, 0.95])
+    assert p == approx(QHMParams(0.15 + 0.3 / 0.05, (0.3 / 0.05) / (0.15 + 0.3 / 0.05), 0.95))
+    # Buffers of equal discount add up (in any order, with any multiplicity).
+    assert convert.from_aggmo(0.1, [0.9, 0.0, 0.9, 0.0]) == approx(
+        convert.from_aggmo(0.1, [0, 0.9])
+    )
+    assert convert.from_aggmo([0.1, 0.2, 0.3], [0.9, 0.0, 0.9]) == approx(
+        convert.from_aggmo([0.4 / 3, 0.8 / 3], [0.0, 0.9])  # K = 2: the same weights
+    )
+
+
+def test_aggmo_zero_rates_drop_their_buffers() -> None:
+    # A zero-rate buffer never moves theta, whatever its discount.
+    assert convert.from_aggmo([0.2, 0.0, 0.1], [0.0, 0.999, 0.9]) == approx(
+        convert.from_aggmo([0.4 / 3, 0.2 / 3], [0.0, 0.9])  # K = 2: the same weights
+    )
+    p = convert.from_aggmo([0.3, 0.0, 0.15], [0.0, 0.999, 0.9])
+    assert p == approx(QHMParams(0.1 + 0.05 / 0.1, 0.5 / 0.6, 0.9))
+    # Rates of one discount that cancel drop it too; [0, beta] with rate 0 on 0 is momentum.
+    assert convert.from_aggmo([0.1, -0.1, 0.2], [0.99, 0.99, 0.0]) == approx(
+        QHMParams(0.2 / 3, 0.0, 0.0)
+    )
+    assert convert.from_aggmo([0.0, 0.2], [0.0, 0.9]).nu == 1.0
+    # Nothing moves: lr 0, or every rate 0.
+    assert convert.from_aggmo(0.0, [0.0, 0.9, 0.99]) == QHMParams(0.0, 0.0, 0.0)
+    assert convert.from_aggmo([0.0, 0.0], [0.5, 0.9]) == QHMParams(0.0, 0.0, 0.0)
+
+
+def test_aggmo_negative_rates_give_nu_outside_unit_interval() -> None:
+    # App. H: gamma in R^K. A negative rate on the beta = 0 buffer is nu > 1 ...
+    assert convert.from_aggmo([-0.02, 0.05], [0.0, 0.9]) == approx(
+        QHMParams(0.24, 0.25 / 0.24, 0.9)
+    )
+    # ... and on the momentum buffer nu < 0.
+    p = convert.from_aggmo([1.0, -0.01], [0.0, 0.9])
+    assert p == approx(QHMParams(0.5 - 0.05, -0.05 / 0.45, 0.9))
+
+
+def test_aggmo_effective_lr() -> None:
+    # App. H: AggMo-Best (gamma = 0.1, betas = [0, 0.9, 0.99, 0.999]) -> 27.775 ("round up to 28").
+    assert convert.aggmo_effective_lr(0.1, [0.0, 0.9, 0.99, 0.999]) == approx(27.775, rel=1e-12)
+    assert type(convert.aggmo_effective_lr(0.1, [0.0, 0.9])) is float
+    assert convert.aggmo_effective_lr([0.4, 0.0], [0.0, 0.5]) == approx(0.2)
+    assert convert.aggmo_effective_lr(0.0, [0.9, 0.99]) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rates=st.lists(st.floats(0.0, 1.0) | st.floats(-1.0, 1.0), min_size=1, max_size=6),
+    beta=st.floats(0.0, 0.999),
+    data=st.data(),
+)
+def test_aggmo_exact_lr_is_the_effective_lr(
+    rates: list[float], beta: float, data: st.DataObject
+) -> None:
+    # Where AggMo is a QHM, the paper's heuristic step size is the exact alpha.
+    betas = [data.draw(st.sampled_from([0.0, beta])) for _ in rates]
+    try:
+        p = convert.from_aggmo(rates, betas)
+    except ValueError as e:
+        assert "must be" in str(e)
+        return
+    if p.lr > 0:
+        assert p.lr == approx(convert.aggmo_effective_lr(rates, betas), rel=1e-9, abs=1e-12)
 
 
 # --------------------------------------------------------------- preconditions
@@ -420,6 +497,96 @@ ERRORS: list[tuple[Callable[..., Any], dict[str, Any], str]] = [
         {"lr": 1e-3, "alpha": 0.9, "eps": math.inf},
         r"eps must be in \[0, inf\); received eps=inf",
     ),
+    (
+        convert.from_aggmo,
+        {"lr": 0.1, "betas": [0.0, 0.9, 0.99, 0.999]},
+        r"betas must contain at most one nonzero discount with a nonzero rate .*"
+        r"received betas=\[0.0, 0.9, 0.99, 0.999\] \(nonzero discounts with nonzero rates: "
+        r"0.9, 0.99, 0.999\).*aggmo_effective_lr",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": [0.1, 0.2], "betas": [0.9, 0.99]},
+        r"at most one nonzero discount.*rates: 0.9, 0.99\)",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": [0.1, 0.0, 0.2, 0.3], "betas": [0.0, 0.9, 0.7, 0.5]},
+        r"at most one nonzero discount.*rates: 0.5, 0.7\)",  # 0.9 has rate 0: not listed
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": 0.1, "betas": [0.0, 1.0]},
+        r"betas\[1\] must be in \[0, 1\); received betas\[1\]=1.0",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": 0.1, "betas": [-0.1]},
+        r"betas\[0\] must be in \[0, 1\); received betas\[0\]=-0.1",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": -0.1, "betas": [0.0, 0.9]},
+        r"lr must be in \[0, inf\); received lr=-0.1",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": math.nan, "betas": [0.9]},
+        r"lr must be in \[0, inf\); received lr=nan",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": 0.1, "betas": []},
+        r"betas must be a non-empty sequence of discount factors; received betas=\[\]",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": 0.1, "betas": 0.9},
+        r"betas must be a non-empty sequence .*received betas=0.9",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": [0.1, 0.2, 0.3], "betas": [0.0, 0.9]},
+        r"lr must be one number \(AggMo\) or one rate per buffer \(extended AggMo: "
+        r"len\(betas\) = 2 rates\); received lr=\[0.1, 0.2, 0.3\]",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": [0.1, math.inf], "betas": [0.0, 0.9]},
+        r"lr\[1\] must be a finite real number; received lr\[1\]=inf",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": [0.1, -0.1], "betas": [0.0, 0.9]},
+        r"QHM lr sum_i lr\[i\] / \(len\(betas\) \* \(1 - betas\[i\]\)\) must be > 0; "
+        r"received lr=\[0.1, -0.1\], betas=\[0.0, 0.9\] \(lr=-0.45\)",
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": [0.5, -0.25], "betas": [0.0, 0.5]},
+        r"must be > 0; .*\(lr=0\)",  # alpha = 0 but theta moves: no QHM
+    ),
+    (
+        convert.from_aggmo,
+        {"lr": [0.1, -0.3], "betas": [0.0, 0.0]},
+        r"AggMo step sum\(lr\) / len\(betas\) must be >= 0 when every discount is 0; "
+        r"received lr=\[0.1, -0.3\], betas=\[0.0, 0.0\] \(step=-0.1\)",
+    ),
+    (
+        convert.aggmo_effective_lr,
+        {"lr": 0.1, "betas": [0.0, 0.9, 1.0]},
+        r"betas\[2\] must be in \[0, 1\); received betas\[2\]=1.0",
+    ),
+    (
+        convert.aggmo_effective_lr,
+        {"lr": [0.1, -0.1], "betas": [0.0, 0.9]},
+        r"effective step size .* must be >= 0; received .*\(effective lr=-0.45\)",
+    ),
+    (
+        convert.aggmo_effective_lr,
+        {"lr": -1.0, "betas": [0.0, 0.9, 0.99]},
+        r"lr must be in \[0, inf\); received lr=-1.0",
+    ),
 ]
 
 
@@ -436,6 +603,28 @@ def test_non_numbers_are_type_errors() -> None:
         TypeError, match=r"^momentum must be a real number; received momentum=True$"
     ):
         convert.from_momentum(0.1, True)
+
+
+def test_aggmo_argument_types() -> None:
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"^lr must be a real number; received lr='0.1'$"):
+        convert.from_aggmo("0.1", [0.9])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"betas must be a non-empty sequence"):
+        convert.from_aggmo(0.1, "0.9")
+    with pytest.raises(
+        TypeError, match=r"^betas\[0\] must be a real number; received betas\[0\]=True$"
+    ):
+        convert.from_aggmo(0.1, [True])
+    with pytest.raises(TypeError, match=r"^lr\[1\] must be a real number"):
+        convert.from_aggmo([0.1, None], [0.0, 0.9])  # type: ignore[list-item]
+    # NumPy vectors and scalars are fine; -0.0 is the discount 0.
+    p = convert.from_aggmo(np.float32(0.5), np.array([0.0, 0.5]))
+    assert p == QHMParams(0.75, 0.5 / 0.75, 0.5) and all(type(v) is float for v in p)
+    assert convert.from_aggmo(np.array([0.1, 0.2]), (-0.0, 0.5)) == convert.from_aggmo(
+        [0.1, 0.2], (0.0, 0.5)
+    )
+    assert convert.aggmo_effective_lr(np.float64(0.1), np.array([0.0, 0.9])) == approx(0.55)
 
 
 def test_numpy_scalars_are_accepted() -> None:
@@ -515,3 +704,13 @@ def test_round_trip_qhm_two_state_qhm(
     )
     # g_0 = (a_0 - d theta_0) / c
     assert convert.two_state_initial_buffer(**tso) == approx((1 / c, -d / c), rel=1e-7, abs=1e-7)
+
+
+@settings(max_examples=200, deadline=None)
+@given(alpha=lrs, nu=nus.filter(lambda v: abs(v) > 1e-3), beta=betas)
+def test_round_trip_qhm_extended_aggmo_qhm(alpha: float, nu: float, beta: float) -> None:
+    # App. H: extended AggMo with betas [0, beta] and rates
+    # [2 alpha (1 - nu), 2 alpha nu (1 - beta)] is QHM.
+    rates = [2 * alpha * (1 - nu), 2 * alpha * nu * (1 - beta)]
+    p = convert.from_aggmo(rates, [0.0, beta])
+    assert p == approx(QHMParams(alpha, nu, beta), rel=1e-9, abs=1e-9)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conformance import recovery, sources
-from conformance.problems import get_problem
+from conformance.problems import Problem, get_problem
 from qhoptim import convert
 
 CASES = recovery.load_cases()
@@ -81,3 +81,86 @@ def test_snv_round_trip_closed_loop(alpha: float, nu: float, beta: float) -> Non
     src = sources.run(snv, problem.grad, problem.x0, 100)
     qh = recovery.qh_trajectory(convert.QHMParams(alpha, nu, beta), problem, 100)
     assert recovery.max_relative_deviation(src, qh) <= 1e-10
+
+
+# ------------------------------------------------------------------------ AggMo
+@settings(max_examples=40, deadline=None)
+@given(
+    c0=st.just(0.0) | st.floats(1e-6, 4e-3),
+    cb=st.just(0.0) | st.floats(1e-6, 4e-4),
+    beta=st.floats(0.0, 0.99),
+    copies=st.tuples(st.integers(0, 3), st.integers(1, 3)),
+    extra=st.floats(0.5, 0.999),
+    data=st.data(),
+)
+def test_aggmo_closed_loop_any_buffer_layout(
+    c0: float,
+    cb: float,
+    beta: float,
+    copies: tuple[int, int],
+    extra: float,
+    data: st.DataObject,
+) -> None:
+    # Extended AggMo with {0, beta} split over several buffers in any order (plus
+    # a zero-rate buffer of another discount) is the QHM of from_aggmo, closed-loop.
+    n0, nb = copies
+    rates = [c0] * n0 + [cb] * nb + [0.0]
+    betas = [0.0] * n0 + [beta] * nb + [extra]
+    order = data.draw(st.permutations(range(len(rates))))
+    rates, betas = [rates[i] for i in order], [betas[i] for i in order]
+    problem = get_problem("quadratic-kappa100")
+    src = sources.run(sources.AggMo(tuple(rates), tuple(betas)), problem.grad, problem.x0, 100)
+    qh = recovery.qh_trajectory(convert.from_aggmo(rates, betas), problem, 100)
+    assert recovery.max_relative_deviation(src, qh) <= 1e-10
+
+
+def test_aggmo_source_is_written_as_the_appendix() -> None:
+    # One step from zero buffers: every buffer is the gradient; theta moves by
+    # (1/K) sum_i lr_i * grad. A second step: g_i = beta_i grad_0 + grad_1.
+    algo = sources.AggMo((0.3, 0.6, 0.9), (0.0, 0.5, 0.9))
+    s = algo.init(np.array([1.0]))
+    s = algo.update(s, np.array([2.0]))
+    assert s["x"] == pytest.approx([1.0 - (0.3 + 0.6 + 0.9) * 2.0 / 3])
+    s = algo.update(s, np.array([1.0]))
+    assert [float(b[0]) for b in s["bufs"]] == pytest.approx([1.0, 2.0, 2.8])
+    scalar = sources.AggMo(0.3, (0.0, 0.5))
+    assert scalar.update(scalar.init(np.zeros(1)), np.ones(1))["x"] == pytest.approx([-0.3])
+
+
+AGGMO_BEST = (0.0, 0.9, 0.99, 0.999)  # Ma & Yarats (2019), App. H
+
+
+def test_aggmo_heuristic_is_not_an_equivalence() -> None:
+    # AggMo-Best's discounts, with QHM-Converted (effective lr, nu = 0.97, beta = 0.999):
+    # from_aggmo refuses, and the heuristic's trajectory really differs.
+    lr = 2e-5
+    with pytest.raises(ValueError, match="aggmo_effective_lr"):
+        convert.from_aggmo(lr, AGGMO_BEST)
+    alpha = convert.aggmo_effective_lr(lr, AGGMO_BEST)
+    problem = get_problem("quadratic-kappa100")
+    src = sources.run(sources.AggMo(lr, AGGMO_BEST), problem.grad, problem.x0, 300)
+    qh = recovery.qh_trajectory(convert.QHMParams(alpha, 0.97, 0.999), problem, 300)
+    assert np.all(np.isfinite(src)) and np.all(np.isfinite(qh))
+    assert recovery.max_relative_deviation(src, qh) > 1e-2
+
+
+def _constant_gradient(g: np.ndarray) -> Problem:
+    return Problem(
+        "constant", "linear objective", np.zeros_like(g), (g.shape,), lambda x, t: g, lambda x: 0.0
+    )
+
+
+@pytest.mark.parametrize(("nu", "beta"), [(0.97, 0.999), (0.7, 0.99), (0.0, 0.5)])
+def test_aggmo_effective_lr_matches_the_terminal_step(nu: float, beta: float) -> None:
+    # On a constant gradient G both steps tend to -alpha G -- the one thing the
+    # heuristic matches, whatever nu and beta.
+    lr, betas, g = 0.1, (0.0, 0.9, 0.99), np.array([1.0, -2.0])
+    alpha = convert.aggmo_effective_lr(lr, betas)
+    problem = _constant_gradient(g)
+    src = sources.run(sources.AggMo(lr, betas), problem.grad, problem.x0, 3000)
+    qh = recovery.qh_trajectory(convert.QHMParams(alpha, nu, beta), problem, 25_000)
+    assert src[-1] - src[-2] == pytest.approx(-alpha * g, rel=1e-9)
+    assert qh[-1] - qh[-2] == pytest.approx(-alpha * g, rel=1e-9)
+    # ... while the first steps differ: AggMo's is lr * G, QHM's alpha (1 - nu beta) G.
+    assert src[1] - src[0] == pytest.approx(-lr * g)
+    assert qh[1] - qh[0] == pytest.approx(-alpha * (1 - nu * beta) * g)

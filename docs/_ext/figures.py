@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 TRAJECTORY_CASE = "qhadam-adam-rosenbrock"
 
 PURPLE, ORANGE, TEAL, GREY = "#5b3cc4", "#e66100", "#1a9c8c", "#6b6b6b"
+# The settings of the "bound against nu2" figure and table (docs/analysis.md).
+NU2_NU1S, NU2_BETA2S = (1.0, 0.9, 0.8, 0.7), (0.98, 0.999)
 
 plt.rcParams.update(
     {
@@ -108,6 +110,32 @@ def analysis(out: Path) -> None:
     )
     ax.legend(loc="upper right", frameon=False)
     _save(fig, out / "qhadam_bound.svg")
+
+    # The bound against nu2 for several nu1, at beta1 = 0.9 and beta2 = 0.98 / 0.999:
+    # what nu2 does on its own (nu1 = 1) and paired with nu1 < 1.
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), gridspec_kw={"wspace": 0.25})
+    b1 = 0.9
+    grid = np.linspace(0.3, 1.0, 351)
+    for ax, b2 in zip(axes, NU2_BETA2S, strict=True):
+        adam = an.adam_update_bound(b1, b2)
+        for n1, color in zip(NU2_NU1S, (PURPLE, "#7a5cd6", TEAL, ORANGE), strict=True):
+            ax.plot(
+                grid,
+                [an.qhadam_update_bound(n1, b1, float(v), b2) for v in grid],
+                color=color,
+                lw=2.0 if n1 == 1.0 else 1.4,
+                label=rf"$\nu_1 = {n1:g}$",
+            )
+            star, best = an.qhadam_bound_optimal_nu2(n1, b1, b2)
+            ax.plot([star], [best], "o", color=color, ms=5, zorder=5)
+        ax.axhline(adam, color=GREY, ls="--", lw=1.2, label=f"Adam: {adam:.3f}")
+        ax.set_xlabel(r"$\nu_2$")
+        ax.set_title(rf"$\beta_1 = {b1}$, $\beta_2 = {b2}$ (dots: the minimizing $\nu_2$)",
+                     fontsize=10)  # fmt: skip
+        ax.set_ylim(0.8 * an.qhadam_bound_optimal_nu2(0.7, b1, b2)[1], 1.6 * adam)
+        ax.legend(frameon=False, fontsize=9, loc="upper right")
+    axes[0].set_ylabel(r"bound on $|\mathrm{update}| / \alpha$, $t \to \infty$")
+    _save(fig, out / "qhadam_bound_nu1_nu2.svg")
 
     # rho over (nu, beta): heat map of log10 rho, and rho vs beta for a few nu.
     betas = 1 - np.logspace(np.log10(0.5), -4, 400)  # 0.5 .. 0.9999, even on a logit axis

@@ -336,6 +336,27 @@ def _analysis_numbers() -> None:
     lines += [f"| {q} | `{call}` | {v:.4f} |" for q, call, v in rows]
     _write(INC / "analysis-numbers.md", "\n".join(lines) + "\n")
 
+    # What nu2 does to the bound, alone (nu1 = 1) and with nu1 < 1: the
+    # settings of the figure beside it (docs/_ext/figures.py).
+    from figures import NU2_BETA2S, NU2_NU1S
+
+    b1 = 0.9
+    lines = [
+        "| β₂ | ν₁ | Adam | ν₂ = 1 | ν₂ = 0.7 | best ν₂ | bound there | vs Adam |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b2 in NU2_BETA2S:
+        adam = an.adam_update_bound(b1, b2)
+        for n1 in NU2_NU1S:
+            star, best = an.qhadam_bound_optimal_nu2(n1, b1, b2)
+            at_one = an.qhadam_update_bound(n1, b1, 1.0, b2)
+            at_07 = an.qhadam_update_bound(n1, b1, 0.7, b2)
+            lines.append(
+                f"| {b2:g} | {n1:g} | {adam:.3f} | {at_one:.3f} | {at_07:.3f} | {star:.3f} "
+                f"| {best:.3f} | {100 * (best / adam - 1):+.1f}% |"
+            )
+    _write(INC / "analysis-nu2.md", "\n".join(lines) + "\n")
+
 
 def _advisor_tables() -> None:
     import advisor_tables

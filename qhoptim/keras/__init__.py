@@ -514,8 +514,10 @@ class QHAdam(_QHOptimizer):
         nu_1: Float. Immediate discount factor of the first moment (any finite
             real). Defaults to `1.0`.
         nu_2: Float in ``[0, 1]``. Immediate discount factor of the second
-            moment; values below 1 bound the step on spiky gradients more
-            tightly. Defaults to `1.0`.
+            moment; values below 1 mix the current squared gradient into the
+            denominator, which lowers the worst-case step only near the optimum
+            of ``qhoptim.analysis.qhadam_bound_optimal_nu2`` (mostly together with
+            ``nu_1 < 1``). Defaults to `1.0`.
         epsilon: Float ``>= 0`` added to the denominator after the square root
             and bias correction. Defaults to `1e-8`.
         {{base_optimizer_keyword_args}}
