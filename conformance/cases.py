@@ -78,6 +78,11 @@ class Case:
         return OPTIMIZERS[self.optimizer](**hp)
 
     @property
+    def amsgrad(self) -> bool:
+        """Whether the case runs QHAdam's AMSGrad variant (``amsgrad = true``)."""
+        return bool(self.hparams.get("amsgrad", False))
+
+    @property
     def weight_decay_mode(self) -> str:
         """``"none"``, ``"coupled"`` or ``"decoupled"`` (what backends must configure)."""
         if not self.hparams.get("weight_decay"):
@@ -107,4 +112,6 @@ def load_cases(path: Path = CASES_FILE) -> tuple[Case, ...]:
     for c in cases:
         if c.optimizer not in OPTIMIZERS:
             raise ValueError(f"{c.name}: unknown optimizer {c.optimizer!r}")
+        if c.optimizer == "qhm" and "amsgrad" in c.hparams:
+            raise ValueError(f"{c.name}: amsgrad is a QHAdam variant; QHM has none")
     return cases

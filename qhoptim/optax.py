@@ -39,6 +39,7 @@ except ImportError as error:  # pragma: no cover - exercised where JAX or optax 
 from qhoptim import convert, rules, validation
 
 __all__ = [
+    "ScaleByQHAdamAmsgradState",
     "ScaleByQHAdamState",
     "ScaleByQHMState",
     "from_params",
@@ -69,6 +70,21 @@ class ScaleByQHAdamState(NamedTuple):
     # params). The field keeps optax's name ``nu``, as in ``ScaleByAdamState``;
     # it is unrelated to QHAdam's immediate discounts nu1, nu2.
     nu: optax.Updates
+
+
+class ScaleByQHAdamAmsgradState(NamedTuple):
+    """State of :func:`scale_by_qhadam` with ``amsgrad=True``.
+
+    :class:`ScaleByQHAdamState`'s fields and ``nu_max``, as in optax's
+    ``ScaleByAmsgradState``: the running maximum of the *uncorrected* second
+    moment ``nu`` (torch's ``max_exp_avg_sq``; ``optax.amsgrad``'s ``nu_max``
+    holds the maximum of the bias-corrected one instead).
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # shape=(), int32: number of updates taken
+    mu: optax.Updates
+    nu: optax.Updates
+    nu_max: optax.Updates
 
 
 def _is_none(x: Any) -> bool:
@@ -203,6 +219,7 @@ def scale_by_qhadam(
     eps: float | jax.Array = 1e-8,
     *,
     mu_dtype: Any | None = None,
+    amsgrad: bool = False,
 ) -> optax.GradientTransformation:
     r"""Rescale updates according to QHAdam.
 
@@ -228,6 +245,15 @@ def scale_by_qhadam(
     ``1 - beta**t`` -- what ``optax.scale_by_adam`` computes -- loses most of
     its digits; with ``jax_enable_x64`` they are ``1 - beta**t`` in float64.
 
+    ``amsgrad=True`` is the AMSGrad variant
+    (:func:`qhoptim.rules.qhadam_amsgrad_update`) with torch's and Keras's
+    convention: the running maximum :math:`\hat s_t = \max(\hat s_{t-1}, s_t)`
+    of the *uncorrected* second moment replaces :math:`s_t` and is divided by
+    this step's :math:`1 - \beta_2^t`. ``optax.scale_by_amsgrad`` instead keeps
+    the maximum of the bias-corrected :math:`s_t / (1 - \beta_2^t)`, which
+    differs while the bias correction still changes; so ``nu1 = nu2 = 1`` with
+    ``amsgrad=True`` is ``torch.optim.Adam(amsgrad=True)``, not ``optax.amsgrad``.
+
     Args:
       b1: decay of the first-moment EWMA, in ``[0, 1)``.
       b2: decay of the second-moment EWMA, in ``[0, 1)``.
@@ -237,10 +263,13 @@ def scale_by_qhadam(
       eps: term added to the denominator, ``>= 0``.
       mu_dtype: optional dtype of the first moment; ``None`` uses the
         parameters' dtype.
+      amsgrad: the AMSGrad variant (above); its state is
+        :class:`ScaleByQHAdamAmsgradState`, with the running maximum ``nu_max``.
 
     Returns:
       A :class:`optax.GradientTransformation` with state
-      :class:`ScaleByQHAdamState`.
+      :class:`ScaleByQHAdamState` (:class:`ScaleByQHAdamAmsgradState` with
+      ``amsgrad``).
 
     References:
       Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
@@ -255,56 +284,84 @@ def scale_by_qhadam(
         eps=eps,
         names={"beta1": "b1", "beta2": "b2"},
     )
+    validation.check_bool(amsgrad, "amsgrad")
     mu_dtype = _canonical_dtype(mu_dtype)
 
-    def init_fn(params: optax.Params) -> ScaleByQHAdamState:
+    def init_fn(params: optax.Params) -> ScaleByQHAdamState | ScaleByQHAdamAmsgradState:
         exp_avg = optax.tree.zeros_like(params, dtype=mu_dtype)
         # zeros_like, not zeros: the moment keeps the parameter's sharding (a
         # sharded model's moments would otherwise all land on one device).
         exp_avg_sq = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_real_dtype(p.dtype)), params)
-        return ScaleByQHAdamState(count=jnp.zeros([], jnp.int32), mu=exp_avg, nu=exp_avg_sq)
+        count = jnp.zeros([], jnp.int32)
+        if amsgrad:
+            nu_max = jax.tree.map(jnp.zeros_like, exp_avg_sq)
+            return ScaleByQHAdamAmsgradState(count=count, mu=exp_avg, nu=exp_avg_sq, nu_max=nu_max)
+        return ScaleByQHAdamState(count=count, mu=exp_avg, nu=exp_avg_sq)
 
     def update_fn(
-        updates: optax.Updates, state: ScaleByQHAdamState, params: optax.Params | None = None
-    ) -> tuple[optax.Updates, ScaleByQHAdamState]:
+        updates: optax.Updates,
+        state: ScaleByQHAdamState | ScaleByQHAdamAmsgradState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, ScaleByQHAdamState | ScaleByQHAdamAmsgradState]:
         del params
         count = optax.safe_increment(state.count)
         bc1, bc2 = _bias_correction(b1, count), _bias_correction(b2, count)
         grads, treedef = _flatten(updates)
         exp_avgs, _ = _flatten(state.mu)
         exp_avg_sqs, _ = _flatten(state.nu)
+        if amsgrad:
+            if not isinstance(state, ScaleByQHAdamAmsgradState):
+                raise TypeError(
+                    "scale_by_qhadam(amsgrad=True) needs its own state, "
+                    f"ScaleByQHAdamAmsgradState (from its init); received {type(state).__name__}"
+                )
+            maxes, _ = _flatten(state.nu_max)
+        else:
+            maxes = [None] * len(grads)
         new_updates: list[Any] = []
         new_exp_avgs: list[Any] = []
         new_exp_avg_sqs: list[Any] = []
-        for g, exp_avg, exp_avg_sq in zip(grads, exp_avgs, exp_avg_sqs, strict=True):
+        new_maxes: list[Any] = []
+        for g, exp_avg, exp_avg_sq, max_sq in zip(grads, exp_avgs, exp_avg_sqs, maxes, strict=True):
             if g is None:
                 new_updates.append(None)
                 new_exp_avgs.append(exp_avg)
                 new_exp_avg_sqs.append(exp_avg_sq)
+                new_maxes.append(max_sq)
                 continue
             dtype = exp_avg_sq.dtype  # the parameters' real dtype
-            next_exp_avg, next_exp_avg_sq, update = rules.qhadam_update(
-                g,
-                exp_avg,
-                exp_avg_sq,
-                beta1=_cast(b1, dtype),
-                beta2=_cast(b2, dtype),
-                nu1=_cast(nu1, dtype),
-                nu2=_cast(nu2, dtype),
-                eps=_cast(eps, dtype),
-                bias_correction1=bc1.astype(dtype),
-                bias_correction2=bc2.astype(dtype),
-                sqrt=jnp.sqrt,
-                square=_abs_sq,
-            )
+            hparams = {
+                "beta1": _cast(b1, dtype),
+                "beta2": _cast(b2, dtype),
+                "nu1": _cast(nu1, dtype),
+                "nu2": _cast(nu2, dtype),
+                "eps": _cast(eps, dtype),
+                "bias_correction1": bc1.astype(dtype),
+                "bias_correction2": bc2.astype(dtype),
+                "sqrt": jnp.sqrt,
+                "square": _abs_sq,
+            }
+            if amsgrad:
+                next_exp_avg, next_exp_avg_sq, next_max, update = rules.qhadam_amsgrad_update(
+                    g, exp_avg, exp_avg_sq, max_sq, maximum=jnp.maximum, **hparams
+                )
+                new_maxes.append(next_max.astype(dtype))
+            else:
+                next_exp_avg, next_exp_avg_sq, update = rules.qhadam_update(
+                    g, exp_avg, exp_avg_sq, **hparams
+                )
             new_updates.append(update.astype(g.dtype))
             new_exp_avgs.append(next_exp_avg.astype(exp_avg.dtype))
             new_exp_avg_sqs.append(next_exp_avg_sq.astype(dtype))
-        return jax.tree.unflatten(treedef, new_updates), ScaleByQHAdamState(
-            count=count,
-            mu=jax.tree.unflatten(treedef, new_exp_avgs),
-            nu=jax.tree.unflatten(treedef, new_exp_avg_sqs),
-        )
+        mu = jax.tree.unflatten(treedef, new_exp_avgs)
+        nu = jax.tree.unflatten(treedef, new_exp_avg_sqs)
+        new_state: ScaleByQHAdamState | ScaleByQHAdamAmsgradState
+        if amsgrad:
+            nu_max = jax.tree.unflatten(treedef, new_maxes)
+            new_state = ScaleByQHAdamAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
+        else:
+            new_state = ScaleByQHAdamState(count=count, mu=mu, nu=nu)
+        return jax.tree.unflatten(treedef, new_updates), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -372,6 +429,7 @@ def qhadam(
     eps: float | jax.Array = 1e-8,
     *,
     mu_dtype: Any | None = None,
+    amsgrad: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""QHAdam: Adam with quasi-hyperbolic moment estimators.
 
@@ -395,6 +453,8 @@ def qhadam(
       nu1: any finite real. nu2: in ``[0, 1]``.
       eps: added to the denominator after the square root.
       mu_dtype: optional dtype of the first moment.
+      amsgrad: the AMSGrad variant, with torch's convention (see
+        :func:`scale_by_qhadam`; not ``optax.amsgrad``'s).
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -418,7 +478,7 @@ def qhadam(
     """
     _check_learning_rate(learning_rate)
     return optax.chain(
-        scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype),
+        scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype, amsgrad=amsgrad),
         optax.scale_by_learning_rate(learning_rate),
     )
 
@@ -434,6 +494,7 @@ def qhadamw(
     mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
     mu_dtype: Any | None = None,
+    amsgrad: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""QHAdam with decoupled weight decay (as ``optax.adamw``).
 
@@ -453,6 +514,7 @@ def qhadamw(
       mask: a pytree of booleans (or a callable returning one) selecting the
         parameters to decay, as in ``optax.add_decayed_weights``.
       mu_dtype: optional dtype of the first moment.
+      amsgrad: the AMSGrad variant, as in :func:`qhadam`.
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -475,7 +537,7 @@ def qhadamw(
     _check_learning_rate(learning_rate)
     validation.check_weight_decay(weight_decay)
     return optax.chain(
-        scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype),
+        scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype, amsgrad=amsgrad),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )

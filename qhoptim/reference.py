@@ -19,7 +19,7 @@ They are also usable directly, e.g. to prototype on small NumPy problems::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -48,11 +48,13 @@ class QHMState(NamedTuple):
 
 
 class QHAdamState(NamedTuple):
-    """QHAdam's state: the step count and both moment EWMAs."""
+    """QHAdam's state: the step count, both moment EWMAs and, with ``amsgrad``, the
+    running maximum of the (uncorrected) second moment (``None`` without it)."""
 
     step: int
     exp_avg: Array
     exp_avg_sq: Array
+    max_exp_avg_sq: Array | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class QHAdam:
       weight_decay: ``lambda``.
       decoupled_weight_decay: ``False`` is L2 decay through the gradient,
         ``True`` is AdamW-style decoupled decay.
+      amsgrad: the AMSGrad variant (:func:`qhoptim.rules.qhadam_amsgrad_update`):
+        the denominator reads the running maximum of the uncorrected second
+        moment, bias-corrected by the current step, as ``torch.optim.Adam``.
     """
 
     lr: float = 1e-3
@@ -117,8 +122,10 @@ class QHAdam:
     eps: float = 1e-8
     weight_decay: float = 0.0
     decoupled_weight_decay: bool = False
+    amsgrad: bool = False
 
     def __post_init__(self) -> None:
+        validation.check_bool(self.amsgrad, "amsgrad")
         beta1, beta2 = validation.check_pair(self.betas, "betas")
         nu1, nu2 = validation.check_pair(self.nus, "nus")
         validation.check_qhadam(
@@ -134,7 +141,8 @@ class QHAdam:
 
     def init(self, param: object) -> QHAdamState:
         theta = _as64(param)
-        return QHAdamState(0, np.zeros_like(theta), np.zeros(theta.shape, np.float64))
+        zeros = np.zeros(theta.shape, np.float64)
+        return QHAdamState(0, np.zeros_like(theta), zeros, zeros.copy() if self.amsgrad else None)
 
     def step(
         self,
@@ -162,10 +170,7 @@ class QHAdam:
             if bias_correction
             else (1.0, 1.0)
         )
-        exp_avg, exp_avg_sq, update = rules.qhadam_update(
-            g,
-            state.exp_avg,
-            state.exp_avg_sq,
+        hparams: dict[str, Any] = dict(
             beta1=beta1,
             beta2=beta2,
             nu1=self.nus[0],
@@ -176,7 +181,27 @@ class QHAdam:
             sqrt=np.sqrt,
             square=_abs_sq,
         )
-        return rules.apply_update(theta, update, lr, decay), QHAdamState(step, exp_avg, exp_avg_sq)
+        if not self.amsgrad:
+            exp_avg, exp_avg_sq, update = rules.qhadam_update(
+                g, state.exp_avg, state.exp_avg_sq, **hparams
+            )
+            new_state = QHAdamState(step, exp_avg, exp_avg_sq)
+        else:
+            if state.max_exp_avg_sq is None:
+                raise ValueError(
+                    "QHAdam(amsgrad=True).step needs a state with max_exp_avg_sq "
+                    "(from init of an amsgrad optimizer)"
+                )
+            exp_avg, exp_avg_sq, max_exp_avg_sq, update = rules.qhadam_amsgrad_update(
+                g,
+                state.exp_avg,
+                state.exp_avg_sq,
+                state.max_exp_avg_sq,
+                maximum=np.maximum,
+                **hparams,
+            )
+            new_state = QHAdamState(step, exp_avg, exp_avg_sq, max_exp_avg_sq)
+        return rules.apply_update(theta, update, lr, decay), new_state
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,18 @@ after the square root:
       \frac{(1 - \nu_1) \nabla_t + \nu_1 g'_{t+1}}
            {\sqrt{(1 - \nu_2) \nabla_t^2 + \nu_2 s'_{t+1}} + \epsilon}
 
+QHAdam's AMSGrad variant ("analogously modified", section 5;
+:func:`qhadam_amsgrad_update`) keeps the running maximum of the *uncorrected*
+second moment, as ``torch.optim.Adam(amsgrad=True)`` does, and reads it in
+place of :math:`s_{t+1}`, bias-corrected by the current step's correction:
+
+.. math::
+
+    \hat s_{t+1} &= \max(\hat s_t, s_{t+1}), \quad \hat s_0 = 0 \\
+    \theta_{t+1} &= \theta_t - \alpha \,
+      \frac{(1 - \nu_1) \nabla_t + \nu_1 g'_{t+1}}
+           {\sqrt{(1 - \nu_2) \nabla_t^2 + \nu_2 \hat s_{t+1} / (1 - \beta_2^{t+1})} + \epsilon}
+
 Weight decay comes in two forms, both defined here: *coupled* (L2) decay adds
 :math:`\lambda \theta` to the gradient (:func:`coupled_weight_decay`, a new
 array: the caller's gradient is never mutated), *decoupled* decay (AdamW,
@@ -53,6 +65,7 @@ __all__ = [
     "FoldedQHAdam",
     "QHAdamCoefficients",
     "QHMCoefficients",
+    "amsgrad_maximum",
     "apply_update",
     "bias_correction",
     "coupled_weight_decay",
@@ -60,6 +73,7 @@ __all__ = [
     "ewma",
     "fold_qhadam",
     "folded_qhadam_step",
+    "qhadam_amsgrad_update",
     "qhadam_coefficients",
     "qhadam_denominator",
     "qhadam_update",
@@ -197,6 +211,29 @@ def qhadam_coefficients(
     return QHAdamCoefficients(1 - nu1, nu1 / bias_correction1, 1 - nu2, nu2 / bias_correction2)
 
 
+def _qhadam_moments(
+    grad: Array, exp_avg: Array, exp_avg_sq: Array, beta1: Any, beta2: Any, square: Any
+) -> tuple[Array, Array, Array]:
+    """``(|grad|**2, g_{t+1}, s_{t+1})``: both moments' EWMA step."""
+    grad_sq = grad * grad if square is None else square(grad)
+    return grad_sq, ewma(exp_avg, grad, beta1), ewma(exp_avg_sq, grad_sq, beta2)
+
+
+def _qhadam_direction(
+    grad: Array,
+    grad_sq: Array,
+    exp_avg: Array,
+    second_moment: Array,
+    c: QHAdamCoefficients,
+    eps: Any,
+    sqrt: Callable[[Array], Array],
+) -> Array:
+    """QHAdam's update from the moments; ``second_moment`` is what the denominator reads."""
+    numerator = c.grad_weight * grad + c.exp_avg_weight * exp_avg
+    denominator = sqrt(c.grad_sq_weight * grad_sq + c.exp_avg_sq_weight * second_moment) + eps
+    return numerator / denominator
+
+
 def qhadam_update(
     grad: Array,
     exp_avg: Array,
@@ -230,13 +267,70 @@ def qhadam_update(
     Returns:
       ``(g_{t+1}, s_{t+1}, update)`` with ``theta_{t+1} = theta_t - lr * update``.
     """
-    grad_sq = grad * grad if square is None else square(grad)
-    exp_avg = ewma(exp_avg, grad, beta1)
-    exp_avg_sq = ewma(exp_avg_sq, grad_sq, beta2)
+    grad_sq, exp_avg, exp_avg_sq = _qhadam_moments(grad, exp_avg, exp_avg_sq, beta1, beta2, square)
     c = qhadam_coefficients(nu1, nu2, bias_correction1, bias_correction2)
-    numerator = c.grad_weight * grad + c.exp_avg_weight * exp_avg
-    denominator = sqrt(c.grad_sq_weight * grad_sq + c.exp_avg_sq_weight * exp_avg_sq) + eps
-    return exp_avg, exp_avg_sq, numerator / denominator
+    return exp_avg, exp_avg_sq, _qhadam_direction(grad, grad_sq, exp_avg, exp_avg_sq, c, eps, sqrt)
+
+
+def amsgrad_maximum(
+    max_exp_avg_sq: Array, exp_avg_sq: Array, *, maximum: Callable[[Array, Array], Array]
+) -> Array:
+    """AMSGrad's running maximum ``max(max_exp_avg_sq, exp_avg_sq)``, element-wise.
+
+    The maximum is of the *uncorrected* second-moment EWMA ``s_{t+1}`` (this
+    step's, after its EWMA update), as ``torch.optim.Adam(amsgrad=True)`` and
+    Keras's ``Adam(amsgrad=True)`` keep it; the step then divides it by the
+    *current* bias correction ``1 - beta2**t`` (``qhadam_coefficients``'s
+    ``exp_avg_sq_weight``). ``optax.amsgrad`` instead takes the maximum of the
+    bias-corrected ``s_{t+1} / (1 - beta2**t)``, a different trajectory.
+    ``maximum`` is the backend's element-wise maximum (``numpy.maximum``,
+    ``torch.maximum``, ...), which propagates NaN.
+    """
+    return maximum(max_exp_avg_sq, exp_avg_sq)
+
+
+def qhadam_amsgrad_update(
+    grad: Array,
+    exp_avg: Array,
+    exp_avg_sq: Array,
+    max_exp_avg_sq: Array,
+    *,
+    beta1: Any,
+    beta2: Any,
+    nu1: Any,
+    nu2: Any,
+    eps: Any,
+    bias_correction1: Any,
+    bias_correction2: Any,
+    sqrt: Callable[[Array], Array],
+    maximum: Callable[[Array, Array], Array],
+    square: Callable[[Array], Array] | None = None,
+) -> tuple[Array, Array, Array, Array]:
+    r"""One step of QHAdam's AMSGrad variant before the learning rate.
+
+    As :func:`qhadam_update`, with the running maximum :math:`\hat s` of the
+    uncorrected second moment (:func:`amsgrad_maximum`) in place of :math:`s`
+    in the denominator, divided by this step's bias correction:
+
+    .. math::
+
+        \hat s_{t+1} = \max(\hat s_t, s_{t+1}), \qquad
+        \text{update} = \frac{(1 - \nu_1) \nabla_t + \nu_1 g_{t+1} / (1 - \beta_1^{t+1})}
+            {\sqrt{(1 - \nu_2) \nabla_t^2 + \nu_2 \hat s_{t+1} / (1 - \beta_2^{t+1})} + \epsilon}
+
+    ``nu1 = nu2 = 1`` is ``torch.optim.Adam(amsgrad=True)``. ``max_exp_avg_sq``
+    starts at zeros (real, like ``exp_avg_sq``); ``maximum`` is the backend's
+    element-wise maximum; the other arguments are :func:`qhadam_update`'s.
+
+    Returns:
+      ``(g_{t+1}, s_{t+1}, max_{t+1}, update)`` with
+      ``theta_{t+1} = theta_t - lr * update``.
+    """
+    grad_sq, exp_avg, exp_avg_sq = _qhadam_moments(grad, exp_avg, exp_avg_sq, beta1, beta2, square)
+    max_exp_avg_sq = amsgrad_maximum(max_exp_avg_sq, exp_avg_sq, maximum=maximum)
+    c = qhadam_coefficients(nu1, nu2, bias_correction1, bias_correction2)
+    update = _qhadam_direction(grad, grad_sq, exp_avg, max_exp_avg_sq, c, eps, sqrt)
+    return exp_avg, exp_avg_sq, max_exp_avg_sq, update
 
 
 # ------------------------------------------------------------ folded QHAdam
@@ -283,9 +377,11 @@ class FoldedQHAdam(NamedTuple):
 
     ``param += exp_avg_value * exp_avg / d + grad_value * grad / d`` with
     ``d = sqrt(exp_avg_sq_weight * exp_avg_sq + grad_sq_weight * |grad|**2) + eps``
-    (only the terms :attr:`denominator` names). The values already hold
-    ``-lr``. A weight that is the number 1 costs no multiplication, and a
-    value that is the number 0 lets a kernel skip its pass.
+    (only the terms :attr:`denominator` names; with AMSGrad ``exp_avg_sq`` is
+    the running maximum :func:`amsgrad_maximum`, the coefficients are the
+    same). The values already hold ``-lr``. A weight that is the number 1
+    costs no multiplication, and a value that is the number 0 lets a kernel
+    skip its pass.
     """
 
     denominator: Denominator
@@ -364,9 +460,12 @@ def folded_qhadam_step(
 ) -> Array:
     """The parameter change ``-lr * update`` of one QHAdam step in folded form.
 
-    ``exp_avg`` and ``exp_avg_sq`` are the moments *after* this step's EWMA.
-    The definition of what the in-place kernels compute; ``tests/test_rules.py``
-    checks it against :func:`qhadam_update`.
+    ``exp_avg`` and ``exp_avg_sq`` are the moments *after* this step's EWMA;
+    for the AMSGrad variant ``exp_avg_sq`` is the running maximum
+    :func:`amsgrad_maximum` (after this step's), which the fold's coefficients
+    take unchanged. The definition of what the in-place kernels compute;
+    ``tests/test_rules.py`` checks it against :func:`qhadam_update` and
+    :func:`qhadam_amsgrad_update`.
     """
     grad_sq = grad * grad if square is None else square(grad)
     form = f.denominator

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "check_beta",
+    "check_bool",
     "check_eps",
     "check_finite",
     "check_interval",
@@ -147,6 +148,18 @@ def check_interval(
             + ("]" if high_closed else ")")
         )
         raise range_error(name, interval, value)
+    return value
+
+
+def check_bool(value: T, name: str) -> T:
+    """A switch (``amsgrad``, ``decoupled_weight_decay``): ``True`` or ``False``, nothing else.
+
+    ``1``, ``"yes"``, ``None`` or an array are a ``TypeError`` in the shared shape::
+
+        TypeError: amsgrad must be a bool; received amsgrad=1
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool; received {name}={value!r}")
     return value
 
 

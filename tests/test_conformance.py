@@ -38,7 +38,29 @@ def test_cases_cover_the_required_regimes() -> None:
     assert {c.schedule.get("kind", "constant") for c in CASES} >= {"constant", "step", "warmup"}
     assert {c.problem_name for c in CASES} == {"quadratic", "rosenbrock", "logistic", "spiky"}
     assert {c.optimizer for c in CASES} == {"qhm", "qhadam", "qhadamw"}
+    assert {c.optimizer for c in CASES if c.amsgrad} == {"qhadam", "qhadamw"}
+    assert any(c.amsgrad and c.hparams["nus"][1] < 1 for c in CASES)
     assert all(c.steps >= 100 for c in CASES)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.amsgrad], ids=lambda c: c.name)
+def test_amsgrad_cases_exercise_the_running_maximum(case) -> None:
+    # Without amsgrad the trajectory must differ by far more than either
+    # tolerance, or a backend that ignored the flag would pass.
+    hp = dict(case.hparams, amsgrad=False)
+    plain = runner.reference_trajectory(dataclasses.replace(case, hparams=hp))
+    assert runner.max_relative_deviation(plain, runner.reference_trajectory(case)) > 1e-3
+    assert not dataclasses.replace(case, hparams=hp).amsgrad
+
+
+def test_qhm_cases_cannot_ask_for_amsgrad(tmp_path) -> None:
+    bad = tmp_path / "cases.toml"
+    bad.write_text(
+        '[[case]]\nname = "x"\nproblem = "quadratic"\noptimizer = "qhm"\n'
+        "hparams = { lr = 0.1, momentum = 0.9, nu = 0.7, amsgrad = true }\n"
+    )
+    with pytest.raises(ValueError, match="amsgrad is a QHAdam variant"):
+        load_cases(bad)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -102,12 +124,14 @@ def test_schedules() -> None:
 class _PerturbedAdapter(NumpyAdapter):
     """The numpy adapter with one hyperparameter nudged by ``delta``."""
 
-    def __init__(self, key: str, delta: float) -> None:
+    def __init__(self, key: str, delta: float | None) -> None:
         self.key, self.delta = key, delta
 
     def run(self, case, dtype):
         hp = dict(case.hparams)
-        if isinstance(hp[self.key], list):
+        if self.delta is None:  # a switch: flip it
+            hp[self.key] = not hp[self.key]
+        elif isinstance(hp[self.key], list):
             hp[self.key] = [hp[self.key][0] + self.delta, *hp[self.key][1:]]
         else:
             hp[self.key] = hp[self.key] + self.delta
@@ -121,12 +145,13 @@ class _PerturbedAdapter(NumpyAdapter):
         ("qhm-momentum-logistic", "momentum", 1e-6),
         ("qhadam-slow-beta1-quadratic", "nus", 1e-6),
         ("qhadam-nu2-spiky", "betas", 1e-6),
+        ("qhadam-amsgrad-spiky", "amsgrad", None),
     ],
 )
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_runner_detects_a_slightly_wrong_optimizer(case_name, key, delta, dtype) -> None:
     case = next(c for c in CASES if c.name == case_name)
-    delta = delta if dtype == "float64" else 1e-3
+    delta = delta if dtype == "float64" or delta is None else 1e-3
     row = runner.check(_PerturbedAdapter(key, delta), case, dtype)
     assert not row.passed, row
 

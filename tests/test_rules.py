@@ -200,3 +200,104 @@ def test_expm1_bias_correction_of_beta_zero_is_one() -> None:
     with np.errstate(divide="ignore"):
         traced = rules.bias_correction(np.float32(0.0), np.float32(3), expm1=np.expm1, log=np.log)
     assert traced == 1.0
+
+
+# ------------------------------------------------------ AMSGrad (section 5)
+@pytest.mark.parametrize(
+    ("betas", "nus", "eps"),
+    [
+        ((0.9, 0.999), (1.0, 1.0), 1e-8),
+        ((0.995, 0.98), (0.7, 1.0), 0.0),
+        ((0.9, 0.99), (0.8, 0.5), 1e-3),
+        ((0.9, 0.9), (0.7, 0.0), 1e-2),
+    ],
+)
+def test_qhadam_amsgrad_matches_the_running_maximum_unrolled(betas, nus, eps) -> None:
+    # torch's convention: the maximum of the *uncorrected* second moments
+    # s_1 .. s_{t+1} (each unrolled), divided by this step's bias correction.
+    (b1, b2), (n1, n2) = betas, nus
+    lr, steps = 0.01, 30
+    # Gradients that shrink, with spikes: the second moment falls, so the
+    # maximum differs from it on most steps.
+    grads = RNG.standard_normal((steps, 4)) * np.geomspace(10.0, 0.1, steps)[:, None]
+    grads[::7] *= 30
+    theta0 = RNG.standard_normal(4)
+    opt = QHAdam(lr=lr, betas=betas, nus=nus, eps=eps, amsgrad=True)
+    theta, state = theta0, opt.init(theta0)
+    expected, history, differs = theta0.copy(), [], 0
+    for t in range(steps):
+        theta, state = opt.step(theta, grads[t], state)
+        past = grads[t::-1]
+        g = ((1 - b1) * (b1 ** np.arange(t + 1))[:, None] * past).sum(0)
+        s = ((1 - b2) * (b2 ** np.arange(t + 1))[:, None] * past**2).sum(0)
+        history.append(s)
+        s_max = np.max(history, axis=0)
+        differs += int(np.any(s_max > s * (1 + 1e-9)))
+        num = (1 - n1) * grads[t] + n1 * g / (1 - b1 ** (t + 1))
+        den = np.sqrt((1 - n2) * grads[t] ** 2 + n2 * s_max / (1 - b2 ** (t + 1))) + eps
+        expected = expected - lr * num / den
+        np.testing.assert_allclose(theta, expected, rtol=1e-11, atol=1e-13)
+        np.testing.assert_allclose(state.exp_avg_sq, s, rtol=1e-12)
+        np.testing.assert_allclose(state.max_exp_avg_sq, s_max, rtol=1e-12)
+    assert differs > steps // 2  # the maximum was exercised
+
+
+def test_amsgrad_update_is_the_rule_with_the_maximum_in_the_denominator() -> None:
+    grad, exp_avg = RNG.standard_normal(20), RNG.standard_normal(20)
+    exp_avg_sq, max_exp_avg_sq = RNG.random(20), RNG.random(20)
+    kw = dict(beta1=0.9, beta2=0.99, nu1=0.7, nu2=0.6, eps=1e-3, sqrt=np.sqrt)
+    bcs = dict(bias_correction1=rules.bias_correction(0.9, 4), bias_correction2=0.25)
+    m, s, new_max, update = rules.qhadam_amsgrad_update(
+        grad, exp_avg, exp_avg_sq, max_exp_avg_sq, maximum=np.maximum, **kw, **bcs
+    )
+    m_plain, s_plain, _ = rules.qhadam_update(grad, exp_avg, exp_avg_sq, **kw, **bcs)
+    np.testing.assert_array_equal(m, m_plain)
+    np.testing.assert_array_equal(s, s_plain)
+    np.testing.assert_array_equal(new_max, np.maximum(max_exp_avg_sq, s_plain))
+    # The update is qhadam_update's with the maximum read where s was: feed
+    # qhadam_update the second moment whose EWMA step lands on the maximum.
+    c = rules.qhadam_coefficients(0.7, 0.6, bcs["bias_correction1"], bcs["bias_correction2"])
+    num = c.grad_weight * grad + c.exp_avg_weight * m
+    den = np.sqrt(c.grad_sq_weight * grad**2 + c.exp_avg_sq_weight * new_max) + 1e-3
+    np.testing.assert_allclose(update, num / den, rtol=1e-15)
+
+
+@pytest.mark.parametrize(("nu2", "form"), FORMS)
+@pytest.mark.parametrize("factor_out", [True, False], ids=["host", "device"])
+def test_folded_step_with_the_maximum_equals_the_amsgrad_rule(
+    nu2: float, form: rules.Denominator, factor_out: bool
+) -> None:
+    # The kernels apply the same fold to the running maximum.
+    b1, b2, lr, eps, step = 0.9, 0.99, 0.01, 1e-8, 7
+    grad, exp_avg = RNG.standard_normal(50), RNG.standard_normal(50)
+    exp_avg_sq, max_exp_avg_sq = RNG.random(50), RNG.random(50)
+    bc1, bc2 = rules.bias_correction(b1, step), rules.bias_correction(b2, step)
+    m, _, new_max, update = rules.qhadam_amsgrad_update(
+        grad, exp_avg, exp_avg_sq, max_exp_avg_sq, beta1=b1, beta2=b2, nu1=0.7, nu2=nu2,
+        eps=eps, bias_correction1=bc1, bias_correction2=bc2, sqrt=np.sqrt, maximum=np.maximum,
+    )  # fmt: skip
+    c = rules.qhadam_coefficients(0.7, nu2, bc1, bc2)
+    f = rules.fold_qhadam(c, lr, eps, form, factor_out=factor_out)
+    got = rules.folded_qhadam_step(f, grad, m, new_max, sqrt=np.sqrt)
+    np.testing.assert_allclose(
+        got, -lr * update, rtol=1e-13, atol=1e-13 * np.abs(lr * update).max()
+    )
+
+
+def test_amsgrad_maximum_propagates_nan() -> None:
+    got = rules.amsgrad_maximum(
+        np.array([1.0, np.nan]), np.array([np.nan, 2.0]), maximum=np.maximum
+    )
+    assert np.isnan(got).all()
+
+
+def test_reference_amsgrad_needs_its_state() -> None:
+    opt = QHAdam(amsgrad=True)
+    theta = np.ones(2)
+    assert opt.init(theta).max_exp_avg_sq is not None
+    assert QHAdam().init(theta).max_exp_avg_sq is None
+    with pytest.raises(ValueError, match="max_exp_avg_sq"):
+        opt.step(theta, theta, QHAdam().init(theta))
+    with pytest.raises(TypeError, match=r"amsgrad must be a bool; received amsgrad=1"):
+        QHAdam(amsgrad=1)  # type: ignore[arg-type]
+    assert QHAdamW(amsgrad=True).amsgrad

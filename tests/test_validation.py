@@ -94,3 +94,18 @@ def test_reference_optimizers_validate_with_their_argument_names() -> None:
         QHAdamW(betas=(1.0, 0.9))
     with pytest.raises(ValueError, match=r"^lr must be in \[0, inf\); received lr=-1.0$"):
         QHM(lr=1.0).step(np.ones(2), np.ones(2), QHM(lr=1.0).init(np.ones(2)), lr=-1.0)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_check_bool_passes_bools(value) -> None:
+    assert v.check_bool(value, "amsgrad") is value
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(1, "1"), (0, "0"), ("yes", "'yes'"), (None, "None"), (np.True_, "np.True_")],
+)
+def test_check_bool_refuses_everything_else(value, shown) -> None:
+    with pytest.raises(TypeError) as info:
+        v.check_bool(value, "amsgrad")
+    assert str(info.value) == f"amsgrad must be a bool; received amsgrad={value!r}"

@@ -61,7 +61,7 @@ def make_optimizer(case: Case, learning_rate: Any) -> keras.optimizers.Optimizer
     if case.optimizer == "qhm":
         return qk.QHM(learning_rate, momentum=hp["momentum"], nu=hp["nu"], weight_decay=wd)
     (b1, b2), (nu1, nu2) = hp["betas"], hp["nus"]
-    kwargs = dict(beta_1=b1, beta_2=b2, nu_1=nu1, nu_2=nu2, epsilon=hp["eps"])
+    kwargs = dict(beta_1=b1, beta_2=b2, nu_1=nu1, nu_2=nu2, epsilon=hp["eps"], amsgrad=case.amsgrad)
     if case.optimizer == "qhadamw":
         return qk.QHAdamW(learning_rate, weight_decay=wd, **kwargs)
     return qk.QHAdam(learning_rate, weight_decay=wd, **kwargs)

@@ -27,6 +27,7 @@ class _NumpyOptimizer:
         else:
             self.exp_avg = [np.zeros_like(p) for p in params]
             self.exp_avg_sq = [np.zeros_like(p) for p in params]
+            self.max_exp_avg_sq = [np.zeros_like(p) for p in params]
 
     def step(self, params: list[np.ndarray], grads: list[np.ndarray], lr: float) -> list[Any]:
         hp, mode = self.hp, self.case.weight_decay_mode
@@ -47,10 +48,7 @@ class _NumpyOptimizer:
                     g, self.buffers[i], momentum=hp["momentum"], nu=hp["nu"]
                 )
             else:
-                self.exp_avg[i], self.exp_avg_sq[i], update = rules.qhadam_update(
-                    g,
-                    self.exp_avg[i],
-                    self.exp_avg_sq[i],
+                hparams = dict(
                     beta1=b1,
                     beta2=b2,
                     nu1=hp["nus"][0],
@@ -60,6 +58,14 @@ class _NumpyOptimizer:
                     bias_correction2=bc2,
                     sqrt=np.sqrt,
                 )
+                m, s = self.exp_avg[i], self.exp_avg_sq[i]
+                if self.case.amsgrad:
+                    m, s, self.max_exp_avg_sq[i], update = rules.qhadam_amsgrad_update(
+                        g, m, s, self.max_exp_avg_sq[i], maximum=np.maximum, **hparams
+                    )
+                else:
+                    m, s, update = rules.qhadam_update(g, m, s, **hparams)
+                self.exp_avg[i], self.exp_avg_sq[i] = m, s
             out.append(rules.apply_update(p, update, lr, decay).astype(p.dtype, copy=False))
         return out
 

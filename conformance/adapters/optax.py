@@ -40,9 +40,10 @@ def make_transformation(case: Case, learning_rate: Any) -> optax.GradientTransfo
         tx = qho.qhm(learning_rate, hp["momentum"], hp["nu"])
     else:
         (b1, b2), (nu1, nu2) = hp["betas"], hp["nus"]
+        ams = {"amsgrad": case.amsgrad}
         if mode == "decoupled":
-            return qho.qhadamw(learning_rate, b1, b2, nu1, nu2, hp["eps"], weight_decay=wd)
-        tx = qho.qhadam(learning_rate, b1, b2, nu1, nu2, hp["eps"])
+            return qho.qhadamw(learning_rate, b1, b2, nu1, nu2, hp["eps"], weight_decay=wd, **ams)
+        tx = qho.qhadam(learning_rate, b1, b2, nu1, nu2, hp["eps"], **ams)
     return optax.chain(optax.add_decayed_weights(wd), tx) if mode == "coupled" else tx
 
 

@@ -41,6 +41,7 @@ def _optimizer(case: Case, params: list[Any], implementation: dict[str, bool]) -
         "nus": tuple(hp["nus"]),
         "eps": hp["eps"],
         "weight_decay": wd,
+        "amsgrad": case.amsgrad,
         **implementation,
     }
     if case.optimizer == "qhadamw":

@@ -173,30 +173,73 @@ def _step_number(iterations, dtype):
     return ops.where(t < 1, t + 2.0**32, t)
 
 
-def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype, **hparams):
-    """One QHAdam step of one variable, from :mod:`qhoptim.rules`: ``(exp_avg, exp_avg_sq, param)``.
+def _bias_corrections(iterations, dtype, bias_dtype, hparams):
+    """Both bias corrections of the step after ``iterations``, cast to ``dtype``.
 
-    ``iterations`` counts the steps already taken. The bias corrections are
-    computed in ``bias_dtype``, with :func:`qhoptim.rules.bias_correction`'s
+    Computed in ``bias_dtype``, with :func:`qhoptim.rules.bias_correction`'s
     float32 policy (``expm1``) in float32.
     """
-    dtype = param.dtype
-    lr = ops.cast(lr, dtype)
-    weight_decay = hparams.pop("weight_decay")
     t = _step_number(iterations, bias_dtype)
     expm1 = ops.expm1 if bias_dtype == "float32" else None
     bc1 = rules.bias_correction(hparams["beta1"], t, expm1=expm1)
     bc2 = rules.bias_correction(hparams["beta2"], t, expm1=expm1)
+    return {"bias_correction1": ops.cast(bc1, dtype), "bias_correction2": ops.cast(bc2, dtype)}
+
+
+def _qhadam_step(grad, lr, iterations, exp_avg, exp_avg_sq, param, *, bias_dtype, **hparams):
+    """One QHAdam step of one variable, from :mod:`qhoptim.rules`: ``(exp_avg, exp_avg_sq, param)``.
+
+    ``iterations`` counts the steps already taken (see :func:`_bias_corrections`).
+    """
+    dtype = param.dtype
+    lr = ops.cast(lr, dtype)
+    weight_decay = hparams.pop("weight_decay")
     exp_avg, exp_avg_sq, update = rules.qhadam_update(
         grad,
         exp_avg,
         exp_avg_sq,
-        bias_correction1=ops.cast(bc1, dtype),
-        bias_correction2=ops.cast(bc2, dtype),
         sqrt=ops.sqrt,
+        **_bias_corrections(iterations, dtype, bias_dtype, hparams),
         **hparams,
     )
     return exp_avg, exp_avg_sq, _new_value(param, update, lr, weight_decay)
+
+
+def _maximum(x, y):
+    """The element-wise maximum of AMSGrad (NaN if either is NaN), in the inputs' dtype.
+
+    ``keras.ops.maximum`` on the torch backend computes float64 tensors in
+    float32 (seen with Keras 3.15), so there the step takes ``torch.maximum``
+    itself.
+    """
+    if _BACKEND == "torch":
+        import torch
+
+        return torch.maximum(x, y)
+    return ops.maximum(x, y)
+
+
+def _qhadam_amsgrad_step(
+    grad, lr, iterations, exp_avg, exp_avg_sq, max_exp_avg_sq, param, *, bias_dtype, **hparams
+):
+    """One step of QHAdam's AMSGrad variant (:func:`qhoptim.rules.qhadam_amsgrad_update`).
+
+    Returns ``(exp_avg, exp_avg_sq, max_exp_avg_sq, param)``; as :func:`_qhadam_step`.
+    """
+    dtype = param.dtype
+    lr = ops.cast(lr, dtype)
+    weight_decay = hparams.pop("weight_decay")
+    exp_avg, exp_avg_sq, max_exp_avg_sq, update = rules.qhadam_amsgrad_update(
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        max_exp_avg_sq,
+        sqrt=ops.sqrt,
+        maximum=_maximum,
+        **_bias_corrections(iterations, dtype, bias_dtype, hparams),
+        **hparams,
+    )
+    return exp_avg, exp_avg_sq, max_exp_avg_sq, _new_value(param, update, lr, weight_decay)
 
 
 # ---------------------------------------------------------------------- plumbing
@@ -521,6 +564,11 @@ class QHAdam(_QHOptimizer):
         epsilon: Float ``>= 0`` added to the denominator after the square root
             and bias correction. Defaults to `1e-8`.
         {{base_optimizer_keyword_args}}
+        amsgrad: Boolean (keyword only). Whether to apply the AMSGrad variant
+            (the paper's "analogously modified" QHAdam), as Keras's ``Adam``:
+            the running maximum of the second moment (slot ``velocity_hat``)
+            takes its place in the denominator, bias-corrected by the current
+            step. Defaults to `False`.
 
     Reference:
         - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 5.
@@ -546,9 +594,12 @@ class QHAdam(_QHOptimizer):
         loss_scale_factor=None,
         gradient_accumulation_steps=None,
         name=None,
+        *,
+        amsgrad=False,
         **kwargs,
     ):
         learning_rate = _learning_rate(learning_rate)
+        validation.check_bool(amsgrad, "amsgrad")
         validation.check_qhadam(
             lr=learning_rate,
             beta1=beta_1,
@@ -578,6 +629,7 @@ class QHAdam(_QHOptimizer):
         self.nu_1 = _float(nu_1)
         self.nu_2 = _float(nu_2)
         self.epsilon = _float(epsilon)
+        self.amsgrad = amsgrad
 
     @classmethod
     def from_params(cls, params, **kwargs):
@@ -604,7 +656,9 @@ class QHAdam(_QHOptimizer):
         )
 
     def build(self, var_list):
-        """Initialize optimizer variables: the two moment estimates per variable.
+        """Initialize optimizer variables: the two moment estimates per variable,
+        and with ``amsgrad`` the running maximum of the second (``velocity_hat``,
+        as Keras's ``Adam``).
 
         Args:
             var_list: list of model variables to build QHAdam variables on.
@@ -615,6 +669,8 @@ class QHAdam(_QHOptimizer):
         self._momentums, self._velocities = self.add_optimizer_variables(
             var_list, ["momentum", "velocity"]
         )
+        if self.amsgrad:
+            self._velocity_hats = self.add_optimizer_variables(var_list, "velocity_hat")
 
     def _hyperparameters(self):
         return {
@@ -626,12 +682,13 @@ class QHAdam(_QHOptimizer):
         }
 
     def _slots(self, index):
-        return [self._momentums[index], self._velocities[index]]
+        slots = [self._momentums[index], self._velocities[index]]
+        return [*slots, self._velocity_hats[index]] if self.amsgrad else slots
 
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
         self._run_step(
-            _qhadam_step,
+            _qhadam_amsgrad_step if self.amsgrad else _qhadam_step,
             [gradient, learning_rate, self.iterations],
             [*self._slots(self._get_variable_index(variable)), variable],
             weight_decay=self._weight_decay_for(variable),
@@ -648,6 +705,7 @@ class QHAdam(_QHOptimizer):
                 "nu_1": self.nu_1,
                 "nu_2": self.nu_2,
                 "epsilon": self.epsilon,
+                "amsgrad": self.amsgrad,
             }
         )
         return config
@@ -680,6 +738,8 @@ class QHAdamW(QHAdam):
         epsilon: Float ``>= 0`` added to the denominator after the square root
             and bias correction. Defaults to `1e-8`.
         {{base_optimizer_keyword_args}}
+        amsgrad: Boolean (keyword only). The AMSGrad variant, as in
+            :class:`QHAdam`. Defaults to `False`.
 
     References:
         - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 5.
@@ -704,6 +764,8 @@ class QHAdamW(QHAdam):
         loss_scale_factor=None,
         gradient_accumulation_steps=None,
         name=None,
+        *,
+        amsgrad=False,
         **kwargs,
     ):
         super().__init__(
@@ -723,6 +785,7 @@ class QHAdamW(QHAdam):
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
             name=name,
+            amsgrad=amsgrad,
             **kwargs,
         )
         if self.weight_decay is None:

@@ -104,15 +104,24 @@ class TorchStep:
                     else:
                         _kernels.foreach_qhm(params, param_grads, list(buffers), **kwargs)
                     continue
-                exp_avgs, exp_avg_sqs = (list(s) for s in zip(*slots, strict=True))
+                # [exp_avgs, exp_avg_sqs] and, with amsgrad, [max_exp_avg_sqs]
+                exp_avgs, exp_avg_sqs, *maxes = (list(s) for s in zip(*slots, strict=True))
+                max_exp_avg_sqs = maxes[0] if maxes else None
+                kwargs["amsgrad"] = bool(self.amsgrad)
                 steps = [step] * len(params)
                 if fused:
                     hp_adam = _kernels.QHAdamHyperparameters(**kwargs)
                     _fused.fused_qhadam_cpu_(
-                        params, param_grads, exp_avgs, exp_avg_sqs, steps, hp_adam
+                        params, param_grads, exp_avgs, exp_avg_sqs, steps, hp_adam, max_exp_avg_sqs
                     )
                 else:
                     _kernels.foreach_qhadam(
-                        params, param_grads, exp_avgs, exp_avg_sqs, steps, **kwargs
+                        params,
+                        param_grads,
+                        exp_avgs,
+                        exp_avg_sqs,
+                        steps,
+                        max_exp_avg_sqs=max_exp_avg_sqs,
+                        **kwargs,
                     )
         return None

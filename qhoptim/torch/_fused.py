@@ -38,6 +38,7 @@ from qhoptim.torch._optimizer import group_by_device_and_dtype
 
 __all__ = [
     "check_fused",
+    "check_fused_amsgrad",
     "cpu_kernel_available",
     "fused_qhadam",
     "fused_qhadam_cpu_",
@@ -61,6 +62,19 @@ def check_fused(params: list[Tensor], *, foreach: bool | None, differentiable: b
                 "`fused=True` requires all the params to be floating point Tensors of "
                 f"supported devices: {list(_DEVICES)}; received a {p.dtype} tensor on {p.device}"
             )
+
+
+def check_fused_amsgrad(params: list[Tensor]) -> None:
+    """Refuse ``fused=True, amsgrad=True`` on CUDA: the Triton kernels have no AMSGrad.
+
+    The fused CPU kernel has it; on CUDA the multi-tensor kernels do.
+    """
+    if any(_local(p).device.type == "cuda" for p in params):
+        raise ValueError(
+            "fused=True with amsgrad=True is not supported for CUDA parameters: "
+            "qhoptim's fused (Triton) CUDA kernels have no AMSGrad variant; "
+            "use foreach=True (the multi-tensor kernels) with amsgrad=True instead"
+        )
 
 
 @functools.cache
@@ -239,14 +253,20 @@ def fused_qhadam(
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    max_exp_avg_sqs: list[Tensor] | None = None,
 ) -> None:
     """One fused QHAdam step (coefficients of :func:`qhoptim.rules.fold_qhadam`).
 
     ``state_steps`` are tensors on the parameters' devices, incremented here
-    unless GradScaler found an inf.
+    unless GradScaler found an inf. With ``hp.amsgrad`` (CPU only)
+    ``max_exp_avg_sqs`` are the running maxima the denominator reads.
     """
-    for device, (*lists, steps) in _groups([params, grads, exp_avgs, exp_avg_sqs, state_steps]):
-        with _Contiguous(*lists) as (ps, gs, ms, ss):
+    tensorlists = [params, grads, exp_avgs, exp_avg_sqs]
+    if hp.amsgrad:
+        check_fused_amsgrad(params)
+        tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
+    for device, (*lists, steps) in _groups([*tensorlists, state_steps]):
+        with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
             if device.type == "cuda":
                 _triton().qhadam_(
                     ps, gs, ms, ss, steps, hp, grad_scale=grad_scale, found_inf=found_inf
@@ -255,7 +275,7 @@ def fused_qhadam(
             if _skip(found_inf):
                 continue
             torch._foreach_add_(steps, 1)
-            _cpu_qhadam_(ps, gs, ms, ss, [float(t) for t in steps], hp, grad_scale)
+            _cpu_qhadam_(ps, gs, ms, ss, vs, [float(t) for t in steps], hp, grad_scale)
 
 
 def fused_qhadam_cpu_(
@@ -265,16 +285,21 @@ def fused_qhadam_cpu_(
     exp_avg_sqs: list[Tensor],
     steps: list[float],
     hp: _kernels.QHAdamHyperparameters,
+    max_exp_avg_sqs: list[Tensor] | None = None,
 ) -> None:
     """One fused QHAdam step of CPU tensors whose step numbers are Python numbers.
 
     ``steps[i]`` is the number of the step being taken (1 on the first), as
     :func:`qhoptim.torch._kernels.foreach_qhadam` takes them; for
     ``qhoptim.keras``, which keeps one step count for every variable.
+    ``max_exp_avg_sqs``: the running maxima of ``hp.amsgrad``.
     """
-    for _, (*lists, indices) in _groups_with_indices([params, grads, exp_avgs, exp_avg_sqs]):
-        with _Contiguous(*lists) as (ps, gs, ms, ss):
-            _cpu_qhadam_(ps, gs, ms, ss, [steps[i] for i in indices], hp, None)
+    tensorlists = [params, grads, exp_avgs, exp_avg_sqs]
+    if hp.amsgrad:
+        tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
+    for _, (*lists, indices) in _groups_with_indices(tensorlists):
+        with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
+            _cpu_qhadam_(ps, gs, ms, ss, vs, [steps[i] for i in indices], hp, None)
 
 
 def _cpu_qhadam_(
@@ -282,10 +307,12 @@ def _cpu_qhadam_(
     gs: list[Tensor],
     ms: list[Tensor],
     ss: list[Tensor],
+    vs: list[list[Tensor]],
     steps: list[float],
     hp: _kernels.QHAdamHyperparameters,
     grad_scale: Tensor | None,
 ) -> None:
+    """The C++ kernel's step; ``vs`` is ``[max_exp_avg_sqs]`` with amsgrad, else ``[]``."""
     lr = float(hp.lr)
     coupled, decay = _decay(hp, lr)
     folds = [_kernels.host_fold(t, lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps) for t in steps]
@@ -295,6 +322,7 @@ def _cpu_qhadam_(
         gs,
         ms,
         ss,
+        vs[0] if vs else [],
         coefficients,
         _FORMS[rules.qhadam_denominator(hp.nu2)],
         _grad_multiplier(hp, grad_scale),

@@ -42,6 +42,7 @@ from qhoptim.torch._optimizer import group_by_device_and_dtype
 __all__ = [
     "QHAdamHyperparameters",
     "QHMHyperparameters",
+    "amsgrad_maxes",
     "bias_corrections",
     "device_coefficients",
     "foreach_qhadam",
@@ -80,6 +81,9 @@ class QHAdamHyperparameters(NamedTuple):
     weight_decay: float
     decoupled_weight_decay: bool
     maximize: bool
+    #: QHAdam's AMSGrad variant: the denominator reads the running maximum of
+    #: the second moment (:func:`qhoptim.rules.qhadam_amsgrad_update`).
+    amsgrad: bool = False
 
 
 # On CPU the multi-tensor kernels run over runs of whole tensors of about this
@@ -399,6 +403,7 @@ def qhadam_(
     hp: QHAdamHyperparameters,
     *,
     per_tensor: bool = False,
+    max_exp_avg_sqs: list[Tensor] | None = None,
 ) -> None:
     """One QHAdam step in place, on tensors of one device and dtype or, ``per_tensor``, any.
 
@@ -407,7 +412,13 @@ def qhadam_(
     0-d tensors on the device (folded there, one coefficient per parameter;
     nothing is read back, so the step is capturable). Complex parameters take
     real views, with ``|g|**2`` and a real second moment.
+
+    With ``hp.amsgrad``, ``max_exp_avg_sqs`` (real, like the second moments)
+    take the running maximum :func:`qhoptim.rules.amsgrad_maximum` after the
+    second moments' EWMA, and the denominator reads them in their place, with
+    the same folded coefficients.
     """
+    maxes = amsgrad_maxes(hp, max_exp_avg_sqs, params)
     device_fold = None
     if isinstance(steps[0], Tensor):
         device_fold = _device_fold(cast(list[Tensor], list(steps)), params[0], hp)
@@ -421,6 +432,7 @@ def qhadam_(
     exp_avg_weight, exp_avg_sq_weight = 1 - hp.beta1, 1 - hp.beta2
     for chunk in _chunks(params, per_tensor):
         ps, gs, ms, ss = params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk]
+        vs = ss if maxes is None else maxes[chunk]  # what the denominator reads
         gs = decay_grads(ps, gs, hp)
         grad_sqs = None
         if ps[0].dtype.is_complex:
@@ -433,19 +445,34 @@ def qhadam_(
             torch._foreach_addcmul_(ss, gs, gs, exp_avg_sq_weight)
         else:
             torch._foreach_add_(ss, grad_sqs, alpha=exp_avg_sq_weight)
+        if maxes is not None:
+            torch._foreach_maximum_(vs, ss)
         if device_fold is not None:
-            _qhadam_update_(_take(device_fold, chunk), ps, gs, ms, ss, grad_sqs)
+            _qhadam_update_(_take(device_fold, chunk), ps, gs, ms, vs, grad_sqs)
             continue
         if one_fold is not None:
-            _qhadam_update_(one_fold, ps, gs, ms, ss, grad_sqs)
+            _qhadam_update_(one_fold, ps, gs, ms, vs, grad_sqs)
             continue
         chunk_steps = cast(Sequence[float], steps[chunk])
         for step in set(chunk_steps):
             f = host_folds[step]
             idx = [k for k, s in enumerate(chunk_steps) if s == step]
-            p_, g_, m_, s_ = ([lst[k] for k in idx] for lst in (ps, gs, ms, ss))
+            p_, g_, m_, s_ = ([lst[k] for k in idx] for lst in (ps, gs, ms, vs))
             sqs = None if grad_sqs is None else [grad_sqs[k] for k in idx]
             _qhadam_update_(f, p_, g_, m_, s_, sqs)
+
+
+def amsgrad_maxes(
+    hp: QHAdamHyperparameters, max_exp_avg_sqs: list[Tensor] | None, params: list[Tensor]
+) -> list[Tensor] | None:
+    """The running maxima the step keeps: ``max_exp_avg_sqs`` with ``hp.amsgrad``, else None."""
+    if not hp.amsgrad:
+        return None
+    if max_exp_avg_sqs is None or len(max_exp_avg_sqs) != len(params):
+        raise ValueError(
+            "amsgrad=True needs max_exp_avg_sqs, one per parameter (zeros before the first step)"
+        )
+    return max_exp_avg_sqs
 
 
 # ------------------------------------------------------------------ formulas
@@ -497,31 +524,41 @@ def formula_qhadam_(
     step: Any,
     hp: QHAdamHyperparameters,
     differentiable: bool,
+    max_exp_avg_sq: Tensor | None = None,
 ) -> None:
     """One parameter's QHAdam step through :func:`qhoptim.rules.qhadam_update`, out of place.
 
     ``step`` counts this step: a number, or a tensor (capturable, compiled),
-    whose bias corrections are then taken at the parameter's precision.
+    whose bias corrections are then taken at the parameter's precision. With
+    ``hp.amsgrad`` the step is :func:`qhoptim.rules.qhadam_amsgrad_update`'s
+    and ``max_exp_avg_sq`` its running maximum.
     """
     if isinstance(step, Tensor):
         step = at_precision(step, param)
     bc1, bc2 = bias_corrections(hp.beta1, hp.beta2, step)
+    maxes = amsgrad_maxes(hp, None if max_exp_avg_sq is None else [max_exp_avg_sq], [param])
+    hparams: dict[str, Any] = {
+        "beta1": hp.beta1,
+        "beta2": hp.beta2,
+        "nu1": hp.nu1,
+        "nu2": hp.nu2,
+        "eps": hp.eps,
+        "bias_correction1": bc1,
+        "bias_correction2": bc2,
+        "sqrt": torch.sqrt,
+        "square": abs_sq,
+    }
 
     def update(g: Tensor) -> Tensor:
-        new_exp_avg, new_exp_avg_sq, u = rules.qhadam_update(
-            g,
-            exp_avg,
-            exp_avg_sq,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            nu1=hp.nu1,
-            nu2=hp.nu2,
-            eps=hp.eps,
-            bias_correction1=bc1,
-            bias_correction2=bc2,
-            sqrt=torch.sqrt,
-            square=abs_sq,
-        )
+        if maxes is None:
+            new_exp_avg, new_exp_avg_sq, u = rules.qhadam_update(g, exp_avg, exp_avg_sq, **hparams)
+        else:
+            # Autograd saves maximum's inputs: a copy of the state it then overwrites.
+            running_max = maxes[0].clone() if differentiable else maxes[0]
+            new_exp_avg, new_exp_avg_sq, new_max, u = rules.qhadam_amsgrad_update(
+                g, exp_avg, exp_avg_sq, running_max, maximum=torch.maximum, **hparams
+            )
+            maxes[0].copy_(new_max)
         exp_avg.copy_(new_exp_avg)
         exp_avg_sq.copy_(new_exp_avg_sq)
         return cast(Tensor, u)
@@ -559,13 +596,23 @@ def foreach_qhadam(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: Sequence[float],
+    max_exp_avg_sqs: list[Tensor] | None = None,
     **hparams: Any,
 ) -> None:
     """:func:`qhadam_` over tensors of any devices and dtypes.
 
     ``steps`` are Python numbers (the step being taken, 1 on the first);
-    ``hparams`` as :class:`QHAdamHyperparameters`.
+    ``hparams`` as :class:`QHAdamHyperparameters`; ``max_exp_avg_sqs`` the
+    running maxima of ``amsgrad=True``.
     """
     hp = QHAdamHyperparameters(**hparams)
-    for ps, gs, ms, ss, ts in _by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs], steps):
-        qhadam_(ps, gs, ms, ss, ts, hp)
+    if not hp.amsgrad:
+        for ps, gs, ms, ss, ts in _by_device_and_dtype(
+            [params, grads, exp_avgs, exp_avg_sqs], steps
+        ):
+            qhadam_(ps, gs, ms, ss, ts, hp)
+        return
+    maxes = amsgrad_maxes(hp, max_exp_avg_sqs, params)
+    lists = [params, grads, exp_avgs, exp_avg_sqs, cast(list[Tensor], maxes)]
+    for ps, gs, ms, ss, vs, ts in _by_device_and_dtype(lists, steps):
+        qhadam_(ps, gs, ms, ss, ts, hp, max_exp_avg_sqs=vs)

@@ -315,7 +315,8 @@ def _check_param_state(
                 f"{what}: {name} of parameter {key!r} has shape {tuple(value.shape)}, "
                 f"the parameter {tuple(param.shape)}"
             )
-        complex_ok = param.is_complex() and name != "exp_avg_sq"  # |g|^2 is real
+        # |g|^2 is real, and so are the second moment and its running maximum.
+        complex_ok = param.is_complex() and name not in ("exp_avg_sq", "max_exp_avg_sq")
         if not (value.is_floating_point() or (value.is_complex() and complex_ok)) or (
             complex_ok and not value.is_complex()
         ):

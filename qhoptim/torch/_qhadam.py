@@ -49,6 +49,7 @@ class QHAdam(QHOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        amsgrad: bool = False,
         **legacy: Any,
     ) -> None:
         unknown = set(legacy) - {"decouple_weight_decay"}
@@ -68,9 +69,12 @@ class QHAdam(QHOptimizer):
             "capturable": capturable,
             "differentiable": differentiable,
             "fused": fused,
+            "amsgrad": amsgrad,
         }
         super().__init__(params, self._renamed({**defaults, **legacy}, warn=True))
         self._setup_fused()
+        if fused and amsgrad:
+            _fused.check_fused_amsgrad([p for g in self.param_groups for p in g["params"]])
 
     _GROUP_KEYS = ("lr", "betas", "nus", "weight_decay", "eps")
     _LEGACY_DECAY_KEY = "decouple_weight_decay"
@@ -86,6 +90,7 @@ class QHAdam(QHOptimizer):
     _STATE_KEYS = (
         frozenset(),
         frozenset({"step", "exp_avg", "exp_avg_sq"}),
+        frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),  # amsgrad
         frozenset({"beta1_weight", "beta2_weight", "exp_avg", "exp_avg_sq"}),  # qhoptim 1.1.0
     )
 
@@ -113,8 +118,12 @@ class QHAdam(QHOptimizer):
             names={"beta1": "betas[0]", "beta2": "betas[1]", "nu1": "nus[0]", "nu2": "nus[1]"},
         )
         self._check_decay(group)
+        validation.check_bool(group.get("amsgrad", False), "amsgrad")
 
     def _upgrade_group(self, group: dict[str, Any]) -> None:
+        # State dicts of qhoptim before amsgrad (1.1.0's included) lack the flag;
+        # as torch.optim.Adam, a loaded group keeps its own hyperparameters.
+        group.setdefault("amsgrad", False)
         for p in group["params"]:
             p_state = self.state.get(p, {})
             if len(p_state) == 0:
@@ -133,6 +142,7 @@ class QHAdam(QHOptimizer):
         grads: list[Tensor],
         exp_avgs: list[Tensor],
         exp_avg_sqs: list[Tensor],
+        max_exp_avg_sqs: list[Tensor],
         state_steps: list[Tensor],
     ) -> bool:
         states, has_complex = self._gather(group, params, grads)
@@ -146,12 +156,20 @@ class QHAdam(QHOptimizer):
                 state["exp_avg_sq"] = torch.zeros_like(
                     p, dtype=p.real.dtype, memory_format=torch.preserve_format
                 )
+            if group["amsgrad"] and "max_exp_avg_sq" not in state:
+                # New state, or amsgrad switched on in a group stepped without it:
+                # the running maximum starts at zero, max(0, s) = s, as torch's.
+                state["max_exp_avg_sq"] = torch.zeros_like(
+                    state["exp_avg_sq"], memory_format=torch.preserve_format
+                )
             if group["differentiable"] and state["step"].requires_grad:
                 raise RuntimeError(
                     "`requires_grad` is not supported for `step` in differentiable mode"
                 )
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             state_steps.append(state["step"])
         return has_complex
 
@@ -160,8 +178,11 @@ class QHAdam(QHOptimizer):
         grads: list[Tensor] = []
         exp_avgs: list[Tensor] = []
         exp_avg_sqs: list[Tensor] = []
+        max_exp_avg_sqs: list[Tensor] = []
         state_steps: list[Tensor] = []
-        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, state_steps)
+        has_complex = self._init_group(
+            group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+        )
         beta1, beta2 = group["betas"]
         nu1, nu2 = group["nus"]
         qhadam(
@@ -184,6 +205,8 @@ class QHAdam(QHOptimizer):
             weight_decay=group["weight_decay"],
             decoupled_weight_decay=group["decoupled_weight_decay"],
             maximize=group["maximize"],
+            amsgrad=group["amsgrad"],
+            max_exp_avg_sqs=max_exp_avg_sqs,
             **self._amp_tensors(),
         )
 
@@ -242,6 +265,13 @@ _QHADAM_MATH = r"""
     default" is :math:`\nu_1 = 0.7, \beta_1 = 0.999` with :math:`\nu_2 = 1` and
     :math:`\beta_2` unchanged (0.999), at :math:`\alpha = 10^{-3}`.
     For complex parameters the second moment is :math:`|\nabla|^2` (real).
+
+    ``amsgrad=True`` is the AMSGrad variant (the paper's "analogously
+    modified" QHAdam, Sec. 5) with ``torch.optim.Adam``'s convention: the
+    running maximum :math:`\hat s_{t+1} = \max(\hat s_t, s_{t+1})` of the
+    *uncorrected* second moment (state ``max_exp_avg_sq``) takes the place of
+    :math:`s_{t+1}` in the denominator, divided by :math:`1 - \beta_2^{t+1}`.
+    :math:`\nu = (1, 1)` is then ``Adam(amsgrad=True)``.
 """
 
 
@@ -263,6 +293,10 @@ _QHADAM_FLAGS_DOC = rf"""
         {foreach_doc}
         {capturable_doc}
         {differentiable_doc}
+        fused (bool, optional): one pass over memory per step: a C++ kernel on
+            CPU, Triton kernels on CUDA (default: None, i.e. False)
+        amsgrad (bool, optional): the AMSGrad variant, as ``torch.optim.Adam``'s
+            ``amsgrad``; not with ``fused=True`` on CUDA (default: False)
 """
 
 QHAdam.__doc__ = (
@@ -310,6 +344,7 @@ class QHAdamW(QHAdam):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        amsgrad: bool = False,
         **legacy: Any,
     ) -> None:
         super().__init__(
@@ -325,6 +360,7 @@ class QHAdamW(QHAdam):
             capturable=capturable,
             differentiable=differentiable,
             fused=fused,
+            amsgrad=amsgrad,
             **legacy,
         )
 
@@ -380,19 +416,39 @@ def _single_tensor_qhadam(
     *,
     capturable: bool,
     differentiable: bool,
+    max_exp_avg_sqs: list[Tensor] | None = None,
 ) -> None:
     for step_t in state_steps:
         step_t += 1
+    maxes = max_exp_avg_sqs if hp.amsgrad else None
     if not needs_formula(hp.lr, capturable, differentiable):
         if params:
             steps = [value_of(t) for t in state_steps]
-            _kernels.qhadam_(params, grads, exp_avgs, exp_avg_sqs, steps, hp, per_tensor=True)
+            _kernels.qhadam_(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                steps,
+                hp,
+                per_tensor=True,
+                max_exp_avg_sqs=maxes,
+            )
         return
-    for param, grad, exp_avg, exp_avg_sq, step_t in zip(
-        params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True
+    for i, (param, grad, exp_avg, exp_avg_sq, step_t) in enumerate(
+        zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True)
     ):
         step = step_t if capturable else value_of(step_t)
-        _kernels.formula_qhadam_(param, grad, exp_avg, exp_avg_sq, step, hp, differentiable)
+        _kernels.formula_qhadam_(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step,
+            hp,
+            differentiable,
+            max_exp_avg_sq=None if maxes is None else maxes[i],
+        )
 
 
 def _multi_tensor_qhadam(
@@ -405,6 +461,7 @@ def _multi_tensor_qhadam(
     *,
     capturable: bool,
     differentiable: bool,
+    max_exp_avg_sqs: list[Tensor] | None = None,
 ) -> None:
     if len(params) == 0:
         return
@@ -419,18 +476,31 @@ def _multi_tensor_qhadam(
             hp,
             capturable=capturable,
             differentiable=differentiable,
+            max_exp_avg_sqs=max_exp_avg_sqs,
         )
         return
-    grouped = group_by_device_and_dtype([params, grads, exp_avgs, exp_avg_sqs, state_steps])
+    amsgrad = hp.amsgrad and max_exp_avg_sqs is not None
+    tensorlists = [params, grads, exp_avgs, exp_avg_sqs, state_steps]
+    if amsgrad:
+        tensorlists.append(cast(list[Tensor], max_exp_avg_sqs))
+    grouped = group_by_device_and_dtype(tensorlists)
     for lists, _ in grouped.values():
-        ps, gs, ms, ss, steps = (cast(list[Tensor], x) for x in lists)
+        ps, gs, ms, ss, steps, *vs = (cast(list[Tensor], x) for x in lists)
         # The step counts live on the CPU unless capturable; adding a CPU
         # tensor keeps torch's multi-tensor kernel on its fast path there.
         if steps[0].is_cpu:
             torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
         else:
             torch._foreach_add_(steps, 1)
-        _kernels.qhadam_(ps, gs, ms, ss, steps if on_device else [value_of(t) for t in steps], hp)
+        _kernels.qhadam_(
+            ps,
+            gs,
+            ms,
+            ss,
+            steps if on_device else [value_of(t) for t in steps],
+            hp,
+            max_exp_avg_sqs=vs[0] if vs else None,
+        )
 
 
 def qhadam(
@@ -456,6 +526,8 @@ def qhadam(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
+    amsgrad: bool = False,
+    max_exp_avg_sqs: list[Tensor] | None = None,
 ) -> None:
     r"""Functional API that performs the QHAdam computation in place.
 
@@ -465,13 +537,31 @@ def qhadam(
     count the steps taken, incremented here. ``has_complex`` is accepted for
     torch's functional signature; complex tensors are recognised per tensor.
     ``fused=True`` takes the fused kernels (``grad_scale`` and ``found_inf``
-    as ``torch.amp.GradScaler`` sets them on the optimizer).
+    as ``torch.amp.GradScaler`` sets them on the optimizer). ``amsgrad=True``
+    (as ``torch.optim.adam``'s) needs ``max_exp_avg_sqs``, the running maxima
+    of the second moments (real, zeros before the first step), updated here.
     """
     if not torch.compiler.is_compiling() and not all(isinstance(t, Tensor) for t in state_steps):
         raise RuntimeError("`state_steps` must be a list of singleton tensors")
+    validation.check_bool(amsgrad, "amsgrad")
+    if amsgrad and (max_exp_avg_sqs is None or len(max_exp_avg_sqs) != len(params)):
+        raise ValueError(
+            "qhadam(amsgrad=True) needs max_exp_avg_sqs, one tensor per parameter "
+            "(zeros before the first step)"
+        )
     hp = _kernels.QHAdamHyperparameters(
-        scalar_lr(lr), beta1, beta2, nu1, nu2, eps, weight_decay, decoupled_weight_decay, maximize
+        scalar_lr(lr),
+        beta1,
+        beta2,
+        nu1,
+        nu2,
+        eps,
+        weight_decay,
+        decoupled_weight_decay,
+        maximize,
+        amsgrad,
     )
+    maxes = max_exp_avg_sqs if amsgrad else None
     if fused:
         _fused.fused_qhadam(
             params,
@@ -482,6 +572,7 @@ def qhadam(
             hp,
             grad_scale=grad_scale,
             found_inf=found_inf,
+            max_exp_avg_sqs=maxes,
         )
         return
     if foreach is None:
@@ -496,4 +587,5 @@ def qhadam(
         hp,
         capturable=capturable,
         differentiable=differentiable,
+        max_exp_avg_sqs=maxes,
     )

@@ -269,3 +269,23 @@ def test_callable_learning_rate_is_called_every_step() -> None:
     ref = reference_steps(ref_opt, X0, quadratic_grad, len(lrs), lrs.__getitem__)
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=EXACT_RTOL)
+
+
+# ------------------------------------------------------------------- amsgrad
+@pytest.mark.parametrize("cls", [qk.QHAdam, qk.QHAdamW])
+def test_amsgrad_is_documented_configured_and_checked(cls: type) -> None:
+    assert "amsgrad:" in cls.__doc__
+    assert cls().get_config()["amsgrad"] is False
+    opt = cls(learning_rate=0.05, amsgrad=True, **OWN_KEYS[cls])
+    config = opt.get_config()
+    assert config["amsgrad"] is True
+    clone = keras.optimizers.deserialize(json.loads(json.dumps(keras.optimizers.serialize(opt))))
+    assert type(clone) is cls and clone.amsgrad is True
+    assert clone.get_config() == config
+    old = dict(config)
+    del old["amsgrad"]  # a configuration saved before amsgrad existed
+    assert cls.from_config(old).amsgrad is False
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError) as info:
+            cls(amsgrad=value)
+        assert str(info.value) == f"amsgrad must be a bool; received amsgrad={value!r}"

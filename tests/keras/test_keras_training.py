@@ -37,6 +37,14 @@ PAIRS = {
         lambda **kw: qk.QHAdam(0.0625, beta_1=0.95, beta_2=0.98, nu_1=0.7, nu_2=0.9, **kw),
         lambda **kw: reference.QHAdam(0.0625, betas=(0.95, 0.98), nus=(0.7, 0.9), **kw),
     ),
+    # beta_2 = 0.75: the second moment falls as the quadratic converges, so the
+    # running maximum is read
+    "qhadam-amsgrad": (
+        lambda **kw: qk.QHAdam(0.0625, beta_1=0.95, beta_2=0.75, nu_1=0.7, amsgrad=True, **kw),
+        lambda **kw: reference.QHAdam(
+            0.0625, betas=(0.95, 0.75), nus=(0.7, 1.0), amsgrad=True, **kw
+        ),
+    ),
 }
 FIT_OPTIMIZERS = {
     "qhm": lambda: qk.QHM(1.0, momentum=0.9, nu=0.7),
@@ -99,6 +107,50 @@ def test_qhadam_with_unit_nus_and_tiny_epsilon_tracks_keras_adam() -> None:
     a = apply_steps(ours, X0, quadratic_grad, 30)
     b = apply_steps(theirs, X0, quadratic_grad, 30)
     _assert_close(a, b, rtol=1e-9 if EXACT_DTYPE == "float64" else 1e-4)
+
+
+@pytest.mark.parametrize("weight_decay", [None, 0.125])
+def test_qhadam_amsgrad_with_unit_nus_is_keras_adam_amsgrad(weight_decay: float | None) -> None:
+    # Keras's Adam(amsgrad=True) keeps the maximum of the uncorrected velocity
+    # (torch's convention, which qhoptim follows); at epsilon = 0 its epsilon
+    # hat and QHAdam's epsilon agree. beta_2 = 0.75: the velocity falls while the
+    # quadratic converges, so the maximum is read on most steps.
+    lr, b1, b2 = 2.0**-5, 0.875, 0.75  # exact in float32, as Keras casts them
+    kw = dict(beta_1=b1, beta_2=b2, epsilon=0.0, amsgrad=True, weight_decay=weight_decay)
+    ours = qk.QHAdam(lr, nu_1=1.0, nu_2=1.0, **kw)
+    theirs = (keras.optimizers.AdamW if weight_decay else keras.optimizers.Adam)(lr, **kw)
+    a = apply_steps(ours, X0, quadratic_grad, 30)
+    b = apply_steps(theirs, X0, quadratic_grad, 30)
+    _assert_close(a, b, rtol=1e-12 if EXACT_DTYPE == "float64" else 1e-5)
+    for ours_slot, their_slot in zip(ours._velocity_hats, theirs._velocity_hats, strict=True):
+        np.testing.assert_allclose(
+            ops.convert_to_numpy(ours_slot), ops.convert_to_numpy(their_slot), rtol=1e-6
+        )
+    hat, velocity = (
+        ops.convert_to_numpy(ours._velocity_hats[0]),
+        ops.convert_to_numpy(ours._velocities[0]),
+    )
+    assert np.all(hat >= velocity) and np.any(hat > velocity)
+
+
+def test_qhadam_amsgrad_follows_the_reference() -> None:
+    make, make_ref = PAIRS["qhadam-amsgrad"]
+    for kw in ({}, {"weight_decay": 0.125}):
+        got = apply_steps(make(**kw), X0, quadratic_grad, 25)
+        ref_kw = {"weight_decay": 0.125, "decoupled_weight_decay": True} if kw else {}
+        _assert_close(got, reference_steps(make_ref(**ref_kw), X0, quadratic_grad, 25))
+
+
+def test_amsgrad_adds_a_velocity_hat_slot_as_keras_adam() -> None:
+    variables = [keras.Variable(np.ones((2, 3))), keras.Variable(np.ones(3))]
+    plain, ams, adam = qk.QHAdam(), qk.QHAdamW(amsgrad=True), keras.optimizers.Adam(amsgrad=True)
+    for opt in (plain, ams, adam):
+        opt.build(variables)
+    assert not hasattr(plain, "_velocity_hats")
+    names = sorted(v.name for v in ams.variables)
+    assert names == sorted(v.name for v in adam.variables)
+    assert sum("velocity_hat" in n for n in names) == 2
+    assert ams.get_config()["amsgrad"] is True and plain.get_config()["amsgrad"] is False
 
 
 def test_keras_adam_epsilon_is_epsilon_hat() -> None:
@@ -217,7 +269,7 @@ def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch, *, fused: bool = False)
 
 @only_backend("torch")
 @pytest.mark.parametrize("fused", [False, True], ids=["multi-tensor", "fused"])
-@pytest.mark.parametrize("name", ["qhm", "qhadam", "qhadamw"])
+@pytest.mark.parametrize("name", ["qhm", "qhadam", "qhadamw", "qhadam-amsgrad"])
 def test_torch_multi_tensor_step_equals_per_variable_step(
     name: str, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,7 +279,12 @@ def test_torch_multi_tensor_step_equals_per_variable_step(
     # backends run) must give the same numbers.
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    make = {"qhm": PAIRS["qhm"][0], "qhadam": PAIRS["qhadam"][0], "qhadamw": qk.QHAdamW}[name]
+    make = {
+        "qhm": PAIRS["qhm"][0],
+        "qhadam": PAIRS["qhadam"][0],
+        "qhadamw": qk.QHAdamW,
+        "qhadam-amsgrad": PAIRS["qhadam-amsgrad"][0],
+    }[name]
     calls = _count_kernel_calls(monkeypatch, fused=fused)
     fast = _apply_mixed(make(weight_decay=0.1), 12)
     # Per step: one call for the decayed kernels (float64 and float32: the
@@ -314,6 +371,7 @@ def test_model_fit_with_ema_and_accumulation() -> None:
 SAVE_CASES = {
     "qhm": lambda: qk.QHM(0.5, momentum=0.9, nu=0.7, weight_decay=1e-3),
     "qhadam": lambda: qk.QHAdam(1e-2, nu_1=0.7, nu_2=0.9, clipnorm=1.0),
+    "qhadam-amsgrad": lambda: qk.QHAdam(1e-2, beta_2=0.9, nu_1=0.7, amsgrad=True),
     "qhadamw-schedule": lambda: qk.QHAdamW(
         keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=5, decay_rate=0.5),
         weight_decay=1e-2,
@@ -334,7 +392,8 @@ def test_keras_file_round_trip_continues_training_identically(name: str, tmp_pat
     assert loaded.optimizer.get_config() == model.optimizer.get_config()
     state = [ops.convert_to_numpy(v) for v in model.optimizer.variables]
     restored = [ops.convert_to_numpy(v) for v in loaded.optimizer.variables]
-    assert len(state) == len(restored) == 2 + (1 + ("qhadam" in name)) * 4 - ("schedule" in name)
+    slots = 1 + ("qhadam" in name) + ("amsgrad" in name)  # per model variable (4 of them)
+    assert len(state) == len(restored) == 2 + slots * 4 - ("schedule" in name)
     for a, b in zip(state, restored, strict=True):
         np.testing.assert_array_equal(a, b)
 

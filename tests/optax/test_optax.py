@@ -19,6 +19,8 @@ OPTIMIZERS = {
     "qhm": lambda: qho.qhm(0.1, momentum=0.9, nu=0.7),
     "qhadam": lambda: qho.qhadam(0.05, nu1=0.7, nu2=0.9),
     "qhadamw": lambda: qho.qhadamw(0.05, nu1=0.7, weight_decay=0.01),
+    "qhadam-amsgrad": lambda: qho.qhadam(0.05, b2=0.9, nu1=0.7, nu2=0.9, amsgrad=True),
+    "qhadamw-amsgrad": lambda: qho.qhadamw(0.05, b2=0.9, weight_decay=0.01, amsgrad=True),
 }
 
 
@@ -49,6 +51,82 @@ def test_qhadam_with_unit_nus_is_optax_adam() -> None:
     a, _ = _run(qho.qhadam(0.05, 0.9, 0.99, 1.0, 1.0, 1e-8), x, steps=20)
     b, _ = _run(optax.adam(0.05, 0.9, 0.99, 1e-8), x, steps=20)
     np.testing.assert_allclose(a, b, rtol=1e-13)
+
+
+def _spiky_grads(steps: int, size: int = 6) -> np.ndarray:
+    """Gradients that shrink, with spikes: the second moment falls, the maximum is read."""
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal((steps, size)) * np.geomspace(3.0, 0.1, steps)[:, None]
+    g[::6] *= 25.0
+    return g
+
+
+@pytest.mark.parametrize(("nus", "weight_decay"), [((1.0, 1.0), 0.0), ((0.7, 0.8), 0.1)])
+def test_amsgrad_follows_the_reference_with_torchs_convention(nus, weight_decay) -> None:
+    # The float64 reference keeps the maximum of the *uncorrected* second moment
+    # (torch's and Keras's Adam(amsgrad=True)); qhoptim.optax follows it.
+    grads = _spiky_grads(30)
+    x0 = np.linspace(-1.0, 1.0, 6)
+    kw = dict(b1=0.9, b2=0.95, nu1=nus[0], nu2=nus[1], eps=1e-8, amsgrad=True)
+    tx = (
+        qho.qhadamw(0.05, **kw, weight_decay=weight_decay)
+        if weight_decay
+        else qho.qhadam(0.05, **kw)
+    )
+    ref = QHAdam(
+        0.05,
+        betas=(0.9, 0.95),
+        nus=nus,
+        eps=1e-8,
+        weight_decay=weight_decay,
+        decoupled_weight_decay=True,
+        amsgrad=True,
+    )
+    params, state = jnp.asarray(x0), tx.init(jnp.asarray(x0))
+    want, ref_state = x0, ref.init(x0)
+    for g in grads:
+        updates, state = tx.update(jnp.asarray(g), state, params)
+        params = optax.apply_updates(params, updates)
+        want, ref_state = ref.step(want, g, ref_state)
+        np.testing.assert_allclose(params, want, rtol=1e-13, atol=1e-15)
+    inner = state[0]
+    assert isinstance(inner, qho.ScaleByQHAdamAmsgradState)
+    np.testing.assert_allclose(inner.nu_max, ref_state.max_exp_avg_sq, rtol=1e-13)
+    assert np.any(np.asarray(inner.nu_max) > np.asarray(inner.nu))
+
+
+def test_amsgrad_differs_from_optax_amsgrad_as_documented() -> None:
+    # optax.amsgrad keeps the maximum of the bias-corrected second moment: with
+    # nus = (1, 1) the trajectories differ (docs/optax.md), while the reference
+    # (torch's convention) is followed above.
+    grads = _spiky_grads(30)
+    x = jnp.linspace(-1.0, 1.0, 6)
+    ours, theirs = qho.qhadam(0.05, 0.9, 0.95, amsgrad=True), optax.amsgrad(0.05, 0.9, 0.95)
+    s1, s2 = ours.init(x), theirs.init(x)
+    p1 = p2 = x
+    for g in grads:
+        u1, s1 = ours.update(jnp.asarray(g), s1, p1)
+        u2, s2 = theirs.update(jnp.asarray(g), s2, p2)
+        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    assert float(jnp.max(jnp.abs(p1 - p2))) > 1e-3
+
+
+def test_amsgrad_state_and_checks() -> None:
+    x = jnp.ones(3)
+    plain, ams = qho.scale_by_qhadam(), qho.scale_by_qhadam(amsgrad=True)
+    assert type(plain.init(x)) is qho.ScaleByQHAdamState  # unchanged without amsgrad
+    state = ams.init(x)
+    assert state._fields == ("count", "mu", "nu", "nu_max")  # optax's ScaleByAmsgradState's
+    assert optax.tree.get(state, "nu_max").dtype == x.dtype
+    with pytest.raises(TypeError, match="needs its own state, ScaleByQHAdamAmsgradState"):
+        ams.update(x, plain.init(x))
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError) as info:
+            qho.qhadam(0.1, amsgrad=value)
+        assert str(info.value) == f"amsgrad must be a bool; received amsgrad={value!r}"
+    # complex params: a real running maximum
+    z = jnp.ones(2, jnp.complex64)
+    assert ams.init(z).nu_max.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

@@ -83,6 +83,62 @@ def test_decoupled_weight_decay_must_be_a_bool() -> None:
         QHAdam(_params(), decoupled_weight_decay=1)
 
 
+@pytest.mark.parametrize("cls", [QHAdam, QHAdamW])
+def test_amsgrad_must_be_a_bool(cls: type) -> None:
+    assert cls(_params()).defaults["amsgrad"] is False
+    assert cls(_params(), amsgrad=True).param_groups[0]["amsgrad"] is True
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError) as info:
+            cls(_params(), amsgrad=value)
+        assert str(info.value) == f"amsgrad must be a bool; received amsgrad={value!r}"
+    opt = cls(_params())
+    with pytest.raises(TypeError, match="amsgrad must be a bool; received amsgrad=1"):
+        opt.add_param_group({"params": _params(), "amsgrad": 1})
+    # a group of its own: one group with AMSGrad, one without
+    opt.add_param_group({"params": _params(), "amsgrad": True})
+    assert [g["amsgrad"] for g in opt.param_groups] == [False, True]
+
+
+def test_functional_qhadam_takes_amsgrad_as_torch_adam() -> None:
+    from torch.optim.adam import adam  # torch's functional Adam, to compare the max with
+
+    from qhoptim.torch import qhadam
+
+    params = [torch.zeros(3, dtype=torch.float64)]
+    grads = [torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)]
+    state = dict(
+        exp_avgs=[torch.zeros(3, dtype=torch.float64)],
+        exp_avg_sqs=[torch.zeros(3, dtype=torch.float64)],
+        state_steps=[torch.tensor(0.0)],
+    )
+    hp = dict(lr=0.1, beta1=0.9, beta2=0.99, nu1=0.7, nu2=0.9, eps=1e-8, weight_decay=0.0)
+    hp.update(decoupled_weight_decay=False, maximize=False)
+    with pytest.raises(ValueError, match="needs max_exp_avg_sqs"):
+        qhadam(params, grads, **state, **hp, amsgrad=True)
+    with pytest.raises(TypeError, match="amsgrad must be a bool"):
+        qhadam(params, grads, **state, **hp, amsgrad=1)  # type: ignore[arg-type]
+    theirs = [torch.zeros(3, dtype=torch.float64)]
+    adam(
+        [torch.zeros(3, dtype=torch.float64)],
+        [g.clone() for g in grads],
+        [torch.zeros(3, dtype=torch.float64)],
+        [torch.zeros(3, dtype=torch.float64)],
+        theirs,
+        [torch.tensor(0.0)],
+        amsgrad=True,
+        beta1=0.9,
+        beta2=0.99,
+        lr=0.1,
+        weight_decay=0.0,
+        eps=1e-8,
+        maximize=False,
+    )
+    maxes = [torch.zeros(3, dtype=torch.float64)]
+    qhadam(params, grads, **state, **hp, amsgrad=True, max_exp_avg_sqs=maxes)
+    torch.testing.assert_close(maxes[0], theirs[0], rtol=1e-15, atol=0)
+    torch.testing.assert_close(maxes[0], state["exp_avg_sqs"][0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("cls", "converted"),
     [
@@ -165,7 +221,7 @@ def test_signatures_extend_qhoptim_1_1_0() -> None:
             "capturable",
             "differentiable",
             "fused",
-        ]
+        ] + (["amsgrad"] if cls is not QHM else [])
 
 
 def test_defaults() -> None:

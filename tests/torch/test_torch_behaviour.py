@@ -34,6 +34,11 @@ CONFIGS: list[tuple[type, dict[str, Any]]] = [
     (QHAdam, {"lr": 0.01, "betas": (0.0, 0.9), "nus": (0.0, 0.5), "maximize": True}),
     (QHAdamW, {"lr": 0.01, "nus": (0.7, 0.9)}),
     (QHAdamW, {"lr": 0.01, "maximize": True, "weight_decay": 0.1}),
+    # AMSGrad: beta2 = 0.9 lets the second moment fall, so the maximum is read.
+    (QHAdam, {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.7, 0.8), "amsgrad": True}),
+    (QHAdam, {"lr": 0.01, "betas": (0.8, 0.9), "weight_decay": 0.1, "amsgrad": True}),
+    (QHAdamW, {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.7, 0.0), "amsgrad": True}),
+    (QHAdamW, {"lr": 0.01, "betas": (0.9, 0.9), "maximize": True, "amsgrad": True}),
 ]
 IDS = [f"{cls.__name__}-{i}" for i, (cls, _) in enumerate(CONFIGS)]
 
@@ -267,16 +272,72 @@ def test_nesterov_and_momentum_conversions_reproduce_torch_sgd() -> None:
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_adam_conversion_reproduces_torch_adam_and_adamw(weight_decay: float) -> None:
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_conversion_reproduces_torch_adam_and_adamw(
+    weight_decay: float, amsgrad: bool
+) -> None:
     adam = {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": weight_decay}
     qhadam = {**QHAdam.from_adam(0.01, (0.8, 0.99), eps=1e-6), "weight_decay": weight_decay}
     for ours, theirs in ((QHAdam, torch.optim.Adam), (QHAdamW, torch.optim.AdamW)):
         base = torch.randn(6, dtype=F64)
         p, q = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
         grads = random_grads([(6,)], 8)
-        got = run_torch(ours([p], **qhadam), [p], grads)
-        want = run_torch(theirs([q], **adam), [q], grads)
+        got = run_torch(ours([p], **qhadam, amsgrad=amsgrad), [p], grads)
+        want = run_torch(theirs([q], **adam, amsgrad=amsgrad), [q], grads)
         assert_trajectories_close(got, want)
+
+
+# Every implementation that takes amsgrad on CPU (fused: the C++ kernel).
+AMSGRAD_PATHS = [
+    {"foreach": False},
+    {"foreach": True},
+    {"fused": True},
+    {"foreach": False, "capturable": True},
+    {"foreach": True, "capturable": True},
+    {"foreach": True, "tensor_lr": True},
+    {"foreach": False, "tensor_lr": True},
+]
+
+
+@pytest.mark.parametrize("path", AMSGRAD_PATHS, ids=lambda p: "-".join(sorted(p)))
+@pytest.mark.parametrize(("ours", "theirs"), [(QHAdam, "Adam"), (QHAdamW, "AdamW")])
+def test_amsgrad_with_nus_one_is_torch_amsgrad(
+    ours: type, theirs: str, path: dict[str, bool]
+) -> None:
+    # nu = (1, 1) is torch's Adam(amsgrad=True) / AdamW(amsgrad=True), step by
+    # step in float64, on gradients that shrink (the maximum stays above the
+    # second moment) with spikes.
+    path = dict(path)
+    lr: Any = torch.tensor(0.01, dtype=F64) if path.pop("tensor_lr", False) else 0.01
+    kwargs = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05}
+    shapes = [(5, 3), (7,), (0,)]
+    base = random_grads(shapes, 40, seed=3)
+    grads = [
+        [g * (0.9**t) * (20.0 if t % 9 == 0 else 1.0) for g in step] for t, step in enumerate(base)
+    ]
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=F64)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ours(params, lr=lr, nus=(1.0, 1.0), amsgrad=True, **kwargs, **path)
+    got = run_torch(opt, params, grads)
+    want = run_torch(
+        getattr(torch.optim, theirs)(twins, lr=0.01, amsgrad=True, **kwargs), twins, grads
+    )
+    assert_trajectories_close(got, want)
+    state = opt.state[params[0]]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    assert torch.all(state["max_exp_avg_sq"] >= state["exp_avg_sq"])
+    assert torch.any(state["max_exp_avg_sq"] > state["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_amsgrad_keeps_a_real_maximum_for_complex_params(foreach: bool) -> None:
+    p = torch.nn.Parameter(torch.tensor([1.0 + 1.0j, -2.0j], dtype=torch.complex128))
+    opt = QHAdam([p], lr=0.1, nus=(0.7, 0.9), amsgrad=True, foreach=foreach)
+    p.grad = torch.tensor([3.0 + 4.0j, 1.0], dtype=torch.complex128)
+    opt.step()
+    assert opt.state[p]["max_exp_avg_sq"].dtype == F64
+    torch.testing.assert_close(opt.state[p]["max_exp_avg_sq"], opt.state[p]["exp_avg_sq"])
 
 
 # -------------------------------------------------------------- schedulers

@@ -38,6 +38,8 @@ def _step_fn(cls: type, kwargs: dict[str, Any], state_keys: tuple[str, ...]) -> 
         (QHM, {"nu": 1.2, "weight_decay": 0.1, "decoupled_weight_decay": True, "maximize": True}),
         (QHAdam, {"nus": (0.7, 0.8), "weight_decay": 0.1}),
         (QHAdamW, {"nus": (0.7, 1.0), "maximize": True}),
+        (QHAdam, {"nus": (0.7, 0.8), "weight_decay": 0.1, "amsgrad": True}),
+        (QHAdamW, {"nus": (0.7, 1.0), "amsgrad": True}),
     ],
 )
 def test_differentiable_step_passes_gradcheck(cls: type, kwargs: dict[str, Any]) -> None:
@@ -47,8 +49,11 @@ def test_differentiable_step_passes_gradcheck(cls: type, kwargs: dict[str, Any])
         t = torch.rand(shape, generator=gen, dtype=F64) + 0.1
         return (t if positive else t - 0.6).requires_grad_()
 
-    keys = ("momentum_buffer",) if cls is QHM else ("exp_avg", "exp_avg_sq")
+    keys: tuple[str, ...] = ("momentum_buffer",) if cls is QHM else ("exp_avg", "exp_avg_sq")
     state = [rand(3, 2)] if cls is QHM else [rand(3, 2), rand(3, 2, positive=True)]
+    if kwargs.get("amsgrad"):  # a maximum above some new second moments, below others
+        keys += ("max_exp_avg_sq",)
+        state.append(rand(3, 2, positive=True))
     lr = torch.tensor(0.05, dtype=F64, requires_grad=True)  # hypergradients too
     inputs = (rand(3, 2), rand(3, 2), lr, *state)
     assert torch.autograd.gradcheck(_step_fn(cls, kwargs, keys), inputs)
@@ -78,6 +83,7 @@ def _pair(cls: type, kwargs: dict[str, Any]) -> tuple[Any, Any, list[Any], list[
     [
         (QHM, {"lr": 0.1, "weight_decay": 0.1}),
         (QHAdamW, {"lr": 0.01, "nus": (0.7, 0.9), "weight_decay": 0.1}),
+        (QHAdam, {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.7, 0.9), "amsgrad": True}),
     ],
 )
 def test_compiled_step_equals_eager_without_graph_breaks(cls: type, kwargs: dict[str, Any]) -> None:

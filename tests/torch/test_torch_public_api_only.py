@@ -51,6 +51,7 @@ ALLOWED: dict[str, str] = {
             "addcmul_",
             "div_",
             "lerp_",
+            "maximum_",
             "mul",
             "mul_",
             "neg",

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from qh_torch_testing import (
@@ -18,7 +19,7 @@ from qh_torch_testing import (
     run_torch,
 )
 
-from qhoptim import pyt, rules
+from qhoptim import pyt, reference, rules
 from qhoptim.torch import QHM, QHAdam, QHAdamW
 
 F64 = torch.float64
@@ -29,6 +30,8 @@ CONFIGS: list[tuple[type, dict[str, Any]]] = [
     (QHM, {"lr": 0.5, "nu": 1.2, "weight_decay": 0.1, "decoupled_weight_decay": True}),
     (QHAdam, {"lr": 0.01, "nus": (0.7, 0.8), "weight_decay": 0.1}),
     (QHAdamW, {"lr": 0.01, "nus": (0.7, 1.0), "betas": (0.995, 0.999)}),
+    (QHAdam, {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.7, 0.8), "amsgrad": True}),
+    (QHAdamW, {"lr": 0.01, "betas": (0.9, 0.9), "amsgrad": True}),
 ]
 IDS = [f"{cls.__name__}-{i}" for i, (cls, _) in enumerate(CONFIGS)]
 SHAPES = [(3, 2), (4,), (0,)]
@@ -160,6 +163,104 @@ def test_older_state_dicts_without_flags_are_back_filled(cls: type, kwargs: dict
     assert_trajectories_close(
         run_torch(twin, twin_params, grads[2:]), run_torch(opt, params, grads[2:]), rtol=0.0
     )
+
+
+# ------------------------------------------------------------------- amsgrad
+def _adam_pair(amsgrad: bool, seed: int = 0) -> tuple[Any, Any, list[Any], list[Any]]:
+    """QHAdam with nus (1, 1) and torch's Adam, same hyperparameters and start."""
+    params, twins = _params(seed=seed), _params(seed=seed)
+    kwargs = {"lr": 0.01, "betas": (0.9, 0.9), "amsgrad": amsgrad}
+    return QHAdam(params, **kwargs), torch.optim.Adam(twins, **kwargs), params, twins
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(False, True), (True, False)])
+def test_amsgrad_is_loaded_from_the_state_dict_as_torch_adam_does(
+    saved: bool, loaded: bool
+) -> None:
+    # torch.optim.Adam's load_state_dict takes the saved param groups' amsgrad
+    # (every hyperparameter comes from the state dict): QHAdam does the same.
+    grads = random_grads(SHAPES, 6)
+    ours, adam, params, twins = _adam_pair(saved)
+    run_torch(ours, params, grads[:3])
+    run_torch(adam, twins, grads[:3])
+    ours_loaded, adam_loaded, params_l, twins_l = _adam_pair(loaded, seed=1)
+    ours_loaded.load_state_dict(_roundtrip(ours.state_dict()))
+    adam_loaded.load_state_dict(_roundtrip(adam.state_dict()))
+    assert ours_loaded.param_groups[0]["amsgrad"] is adam_loaded.param_groups[0]["amsgrad"] is saved
+    assert set(ours_loaded.state[params_l[0]]) == set(adam_loaded.state[twins_l[0]])
+    with torch.no_grad():
+        for p, q, r in zip(params_l, twins_l, params, strict=True):
+            p.copy_(r)
+            q.copy_(r)
+    assert_trajectories_close(
+        run_torch(ours_loaded, params_l, grads[3:]), run_torch(adam_loaded, twins_l, grads[3:])
+    )
+
+
+def test_amsgrad_switched_on_after_loading_starts_its_maximum() -> None:
+    # A state dict saved without amsgrad, with amsgrad switched on after loading
+    # (torch's Adam raises KeyError here): the running maximum starts at zero,
+    # so it is the reference's amsgrad step from the loaded moments.
+    kwargs = {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.7, 0.8)}
+    grads = random_grads(SHAPES, 6)
+    params = _params()
+    opt = QHAdam(params, **kwargs)
+    run_torch(opt, params, grads[:3])
+    saved = _roundtrip(opt.state_dict())
+    resumed = QHAdam(params, **kwargs, amsgrad=True)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["amsgrad"] is False
+    resumed.param_groups[0]["amsgrad"] = True
+    ref = reference.QHAdam(**kwargs, amsgrad=True)
+    want = []
+    for p in params:
+        state = resumed.state[p]
+        want.append(
+            (
+                p.detach().numpy().copy(),
+                reference.QHAdamState(
+                    int(state["step"]),
+                    state["exp_avg"].numpy().copy(),
+                    state["exp_avg_sq"].numpy().copy(),
+                    np.zeros(p.shape),
+                ),
+            )
+        )
+    got = run_torch(resumed, params, grads[3:])
+    for t, step_grads in enumerate(grads[3:]):
+        for i, g in enumerate(step_grads):
+            want[i] = ref.step(want[i][0], g.numpy(), want[i][1])
+        assert_trajectories_close([got[t]], [[w[0] for w in want]])
+    assert all("max_exp_avg_sq" in resumed.state[p] for p in params)
+
+
+def test_amsgrad_state_of_a_complex_param_stays_real_when_loaded() -> None:
+    p = torch.nn.Parameter(torch.randn(3, dtype=torch.complex128))
+    opt = QHAdam([p], lr=0.1, nus=(0.7, 0.9), amsgrad=True)
+    p.grad = torch.randn(3, dtype=torch.complex128)
+    opt.step()
+    q = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    loaded = QHAdam([q], lr=0.1, amsgrad=True)
+    loaded.load_state_dict(_roundtrip(opt.state_dict()))
+    assert loaded.state[q]["max_exp_avg_sq"].dtype == torch.float32
+    q.grad = torch.randn(3, dtype=torch.complex64)
+    loaded.step()
+
+
+def test_a_wrong_running_maximum_is_refused() -> None:
+    params = _params()
+    opt = QHAdam(params, amsgrad=True)
+    run_torch(opt, params, random_grads(SHAPES, 1))
+    bad = copy.deepcopy(opt.state_dict())
+    bad["state"][0]["max_exp_avg_sq"] = torch.zeros(7)
+    with pytest.raises(ValueError, match="max_exp_avg_sq of parameter 0 has shape"):
+        QHAdam(_params(), amsgrad=True).load_state_dict(bad)
+    bad["state"][0]["max_exp_avg_sq"] = torch.zeros(3, 2, dtype=torch.complex128)
+    with pytest.raises(ValueError, match="max_exp_avg_sq of parameter 0 has dtype"):
+        QHAdam(_params(), amsgrad=True).load_state_dict(bad)
+    bad["param_groups"][0]["amsgrad"] = "yes"
+    with pytest.raises(TypeError, match="amsgrad must be a bool; received amsgrad='yes'"):
+        QHAdam(_params(), amsgrad=True).load_state_dict(bad)
 
 
 # ------------------------------------------------------------- qhoptim 1.1.0

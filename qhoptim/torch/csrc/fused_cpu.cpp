@@ -20,6 +20,12 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 15;
 
+// torch.maximum's: NaN if either is NaN (as the foreach path's _foreach_maximum_).
+template <typename T>
+inline T nan_max(T a, T b) {
+  return (a != a || b != b) ? a + b : (a < b ? b : a);
+}
+
 // torch.lerp's formula, so that the fused moments round as the foreach ones.
 template <typename T>
 inline T lerp(T start, T end, T weight) {
@@ -75,23 +81,32 @@ void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, doub
 
 // One chunk of a QHAdam step. FORM: 0 reads the second moment alone, 1 the
 // gradient alone, 2 both (qhoptim.rules.Denominator EXP_AVG_SQ, GRAD, MIX).
-template <typename scalar_t, typename opmath_t, int FORM>
+// AMSGRAD: v keeps the running maximum of the (uncorrected) second moment,
+// which the denominator reads in its place (qhoptim.rules.qhadam_amsgrad_update,
+// with the same folded coefficients); without it v is unused.
+template <typename scalar_t, typename opmath_t, int FORM, bool AMSGRAD>
 void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
-                  scalar_t* __restrict__ m, scalar_t* __restrict__ s, int64_t n, opmath_t gm,
-                  opmath_t wd, opmath_t df, opmath_t w1, opmath_t b2, opmath_t w2, opmath_t sw,
-                  opmath_t gw, opmath_t eps, opmath_t mv, opmath_t gv) {
+                  scalar_t* __restrict__ m, scalar_t* __restrict__ s, scalar_t* __restrict__ v,
+                  int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w1, opmath_t b2,
+                  opmath_t w2, opmath_t sw, opmath_t gw, opmath_t eps, opmath_t mv, opmath_t gv) {
   for (int64_t i = 0; i < n; ++i) {
     const opmath_t pi = static_cast<opmath_t>(p[i]);
     const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
     const opmath_t mi = lerp(static_cast<opmath_t>(m[i]), gi, w1);
     const opmath_t si = b2 * static_cast<opmath_t>(s[i]) + w2 * gi * gi;
+    // What the denominator reads: the second moment, or its running maximum.
+    opmath_t di = si;
+    if constexpr (AMSGRAD) {
+      di = nan_max(static_cast<opmath_t>(v[i]), si);
+      v[i] = static_cast<scalar_t>(di);
+    }
     opmath_t base;
     if constexpr (FORM == 0) {
-      base = std::sqrt(sw * si);
+      base = std::sqrt(sw * di);
     } else if constexpr (FORM == 1) {
       base = std::sqrt(gw * (gi * gi));
     } else {
-      base = std::sqrt(sw * si + gw * (gi * gi));
+      base = std::sqrt(sw * di + gw * (gi * gi));
     }
     m[i] = static_cast<scalar_t>(mi);
     s[i] = static_cast<scalar_t>(si);
@@ -99,24 +114,25 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   }
 }
 
-template <typename scalar_t, int FORM>
+template <typename scalar_t, int FORM, bool AMSGRAD>
 void qhadam_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
-                   at::Tensor& exp_avg_sq, const double* c, double grad_multiplier,
-                   double coupled_weight_decay, double decay_factor, double exp_avg_lerp,
-                   double beta2, double one_minus_beta2) {
+                   at::Tensor& exp_avg_sq, at::Tensor* max_exp_avg_sq, const double* c,
+                   double grad_multiplier, double coupled_weight_decay, double decay_factor,
+                   double exp_avg_lerp, double beta2, double one_minus_beta2) {
   using opmath_t = at::opmath_type<scalar_t>;
   scalar_t* p = param.data_ptr<scalar_t>();
   const scalar_t* g = grad.data_ptr<scalar_t>();
   scalar_t* m = exp_avg.data_ptr<scalar_t>();
   scalar_t* s = exp_avg_sq.data_ptr<scalar_t>();
+  scalar_t* v = AMSGRAD ? max_exp_avg_sq->data_ptr<scalar_t>() : nullptr;
   const opmath_t gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
                  w1 = exp_avg_lerp, b2 = beta2, w2 = one_minus_beta2;
   // FoldedQHAdam: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value
   const opmath_t sw = c[0], gw = c[1], eps = c[2], mv = c[3], gv = c[4];
   at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
-    qhadam_chunk<scalar_t, opmath_t, FORM>(p + begin, g + begin, m + begin, s + begin,
-                                           end - begin, gm, wd, df, w1, b2, w2, sw, gw, eps, mv,
-                                           gv);
+    qhadam_chunk<scalar_t, opmath_t, FORM, AMSGRAD>(
+        p + begin, g + begin, m + begin, s + begin, AMSGRAD ? v + begin : nullptr, end - begin,
+        gm, wd, df, w1, b2, w2, sw, gw, eps, mv, gv);
   });
 }
 
@@ -136,12 +152,19 @@ void qhm_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   }
 }
 
+// max_exp_avg_sqs: the running maxima of the AMSGrad variant, or an empty list
+// for plain QHAdam.
 void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
              std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-             at::Tensor coefficients, int64_t form, double grad_multiplier,
-             double coupled_weight_decay, double decay_factor, double exp_avg_lerp, double beta2,
-             double one_minus_beta2) {
-  check_lists(params, {grads, exp_avgs, exp_avg_sqs});
+             std::vector<at::Tensor> max_exp_avg_sqs, at::Tensor coefficients, int64_t form,
+             double grad_multiplier, double coupled_weight_decay, double decay_factor,
+             double exp_avg_lerp, double beta2, double one_minus_beta2) {
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+  if (amsgrad) {
+    check_lists(params, {grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs});
+  } else {
+    check_lists(params, {grads, exp_avgs, exp_avg_sqs});
+  }
   TORCH_CHECK(coefficients.scalar_type() == at::kDouble && coefficients.is_contiguous() &&
                   coefficients.numel() == static_cast<int64_t>(params.size()) * 5,
               "qhoptim fused: coefficients must be a contiguous float64 tensor [n, 5]");
@@ -150,9 +173,18 @@ void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   for (size_t i = 0; i < params.size(); ++i) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[i].scalar_type(), "qhadam_", [&] {
       auto run = [&](auto form_tag) {
-        qhadam_tensor<scalar_t, decltype(form_tag)::value>(
-            params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], c + 5 * i, grad_multiplier,
-            coupled_weight_decay, decay_factor, exp_avg_lerp, beta2, one_minus_beta2);
+        constexpr int kForm = decltype(form_tag)::value;
+        if (amsgrad) {
+          qhadam_tensor<scalar_t, kForm, true>(
+              params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], &max_exp_avg_sqs[i], c + 5 * i,
+              grad_multiplier, coupled_weight_decay, decay_factor, exp_avg_lerp, beta2,
+              one_minus_beta2);
+        } else {
+          qhadam_tensor<scalar_t, kForm, false>(
+              params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], nullptr, c + 5 * i,
+              grad_multiplier, coupled_weight_decay, decay_factor, exp_avg_lerp, beta2,
+              one_minus_beta2);
+        }
       };
       if (form == 0) {
         run(std::integral_constant<int, 0>{});
