@@ -12,12 +12,14 @@ Sessions (``nox -l`` lists them; ``nox`` runs all but ``demo``):
                on Python 3.11 and 3.13
   keras        qhoptim.keras, once per Keras backend (tensorflow, jax, torch),
                each venv holding only that backend's framework
+  mlx          qhoptim.mlx (MLX's CPU build on Linux): its tests, doctests,
+               example and conformance rows
   distributed  each backend under its framework's distributed engine: torch DDP,
                ZeRO, FSDP2 and DCP on 2 gloo ranks; optax under NamedSharding on
                8 host devices; Keras under MirroredStrategy and keras.distribution
   lowest       Python 3.10 with the lowest versions pyproject declares
                (.ci/lowest-constraints.txt): core tests, the conformance rows
-               of optax and of Keras on TensorFlow and on JAX
+               of optax, MLX and Keras on TensorFlow and on JAX
   sweep        the paper's parameter sweep and its AggMo comparison, --quick smoke
                runs (full: see docs/sweep.md and docs/aggmo.md)
   docs         the site, built with warnings as errors, then tested in Chromium
@@ -55,7 +57,7 @@ BACKEND_TESTS = (
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
 nox.options.sessions = [
-    "lint", "tests", "conformance", "torch", "optax", "keras", "distributed", "lowest",
+    "lint", "tests", "conformance", "torch", "optax", "keras", "mlx", "distributed", "lowest",
     "sweep", "docs",
 ]  # fmt: skip
 # nox's own default: a missing interpreter fails the run under CI (CI is set)
@@ -243,12 +245,23 @@ def distributed(session: nox.Session) -> None:
     _pytest(session, "tests/distributed", env={"QHOPTIM_REQUIRE_ALL": "1"})
 
 
+@nox.session(python=PYTHON)
+@timed
+def mlx(session: nox.Session) -> None:
+    _install(session, "test,mlx")
+    session.install("scikit-learn", *CONSTRAINTS)  # the digits example's data
+    _typecheck(session, "qhoptim/mlx.py")
+    _pytest(session, "tests/mlx", "tests/test_packaging.py")
+    _pytest(session, "--doctest-modules", "-p", "no:cacheprovider", "qhoptim/mlx.py")
+    _conformance(session, "mlx", table="mlx")
+
+
 @nox.session(python=PYTHON_LOWEST)
 @timed
 def lowest(session: nox.Session) -> None:
     """The lowest declared versions, tested from the unpacked sdist.
 
-    .ci/lowest-constraints.txt pins numpy, JAX, optax, Keras and TensorFlow to
+    .ci/lowest-constraints.txt pins numpy, JAX, optax, MLX, Keras and TensorFlow to
     pyproject's floors. torch is not here: every torch release on the package
     index but the CPU wheel CI pins is a multi-GB CUDA build, so torch's floor
     is the version the torch session tests (docs/torch.md says so).
@@ -263,10 +276,10 @@ def lowest(session: nox.Session) -> None:
     src = tmp / sdist.name.removesuffix(".tar.gz")
     # Editable, from the unpacked sdist: tests/test_packaging.py builds its own
     # wheel and sdist from this tree and needs qhoptim out of site-packages.
-    session.install("-e", f"{src}[test,jax]", "tensorflow-cpu", "keras", *LOWEST)
+    session.install("-e", f"{src}[test,jax,mlx]", "tensorflow-cpu", "keras", *LOWEST)
     session.chdir(src)
     _core_tests(session)
-    _conformance(session, "numpy", "optax", table="lowest")
+    _conformance(session, "numpy", "optax", "mlx", table="lowest")
     for backend in ("tensorflow", "jax"):
         _conformance(session, "keras", table=f"lowest-keras-{backend}",
                      env={"KERAS_BACKEND": backend})  # fmt: skip
@@ -340,7 +353,8 @@ def docs(session: nox.Session) -> None:
     writes artifacts/docs-*.png.
     """
     _ensure_chromium(session)
-    _install(session, "docs,jax,torch,test")
+    _install(session, "docs,jax,torch,mlx,test")
+    session.install("scikit-learn", *CONSTRAINTS)  # the MLX digits example's data
     env = {"QHOPTIM_DOCS_STRICT": "1", "KERAS_BACKEND": "jax"}
     html = ROOT / "docs" / "_build" / "html"
     session.run(

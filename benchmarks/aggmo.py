@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import json
 import math
 import os
@@ -66,7 +65,7 @@ import optax  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
 import qhoptim.optax as qho  # noqa: E402
-from benchmarks.sweep import _progress, load_digits  # noqa: E402
+from benchmarks.sweep import _progress, init_layers, load_digits  # noqa: E402
 from conformance.sources import AggMo  # noqa: E402
 from qhoptim.convert import aggmo_effective_lr  # noqa: E402
 
@@ -102,16 +101,8 @@ def load_splits() -> dict[str, jax.Array]:
 
 
 def init_params(key: jax.Array) -> list[dict[str, jax.Array]]:
-    # torch.nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for W and b.
-    sizes = (64, *HIDDEN, *HIDDEN[-2::-1], 64)
-    params = []
-    for fan_in, fan_out in itertools.pairwise(sizes):
-        key, kw, kb = jax.random.split(key, 3)
-        bound = 1.0 / math.sqrt(fan_in)
-        w = jax.random.uniform(kw, (fan_in, fan_out), minval=-bound, maxval=bound)
-        b = jax.random.uniform(kb, (fan_out,), minval=-bound, maxval=bound)
-        params.append({"w": w, "b": b})
-    return params
+    # Encoder 64 -> HIDDEN, mirrored decoder back to 64.
+    return init_layers(key, (64, *HIDDEN, *HIDDEN[-2::-1], 64))
 
 
 _, UNRAVEL = ravel_pytree(init_params(jax.random.PRNGKey(0)))

@@ -74,8 +74,12 @@ def load_digits(seed: int = 0) -> tuple[np.ndarray, ...]:
 
 
 def init_params(key: jax.Array, hidden: tuple[int, ...]) -> list[dict[str, jax.Array]]:
+    return init_layers(key, (64, *hidden, 10))
+
+
+def init_layers(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
+    """Dense layers ``sizes[i] -> sizes[i + 1]``, initialized as torch.nn.Linear."""
     # torch.nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for W and b.
-    sizes = (64, *hidden, 10)
     params = []
     for fan_in, fan_out in itertools.pairwise(sizes):
         key, kw, kb = jax.random.split(key, 3)

@@ -105,6 +105,7 @@ NAMES: dict[str, dict[str, str | None]] = {
         "nus": None,
     },
 }
+NAMES["mlx"] = {**NAMES["torch"], "lr": "learning_rate"}
 NAMES["reference"] = NAMES["torch"]
 
 #: Which optimizer family has which hyperparameter.
@@ -180,13 +181,14 @@ def backend_kwargs(backend: str, family: str, entry: Invalid) -> dict[str, Any]:
     betas = [neutral.pop("beta1"), neutral.pop("beta2")]
     nus = [neutral.pop("nu1"), neutral.pop("nu2")]
     slots = {"beta1": (betas, 0), "beta2": (betas, 1), "nu1": (nus, 0), "nu2": (nus, 1)}
-    kwargs: dict[str, Any] = {"betas": tuple(betas), "nus": tuple(nus), **neutral}
+    kwargs: dict[str, Any] = {"betas": tuple(betas), "nus": tuple(nus)}
+    kwargs |= {names[k]: v for k, v in neutral.items()}  # type: ignore[misc]
     if entry.param in slots:
         pair, i = slots[entry.param]
         pair[i] = entry.value
         kwargs["betas"], kwargs["nus"] = tuple(betas), tuple(nus)
     else:
-        kwargs[entry.param] = entry.value
+        kwargs[names[entry.param]] = entry.value  # type: ignore[index]
     return kwargs
 
 

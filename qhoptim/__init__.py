@@ -9,8 +9,8 @@ The package root imports no ML framework. The framework-neutral core is:
 - :mod:`qhoptim.reference` -- float64 NumPy reference optimizers;
 - :mod:`qhoptim.common` -- qhoptim 1.1.0's ``param_conv``, on top of ``convert``.
 
-Backends live in ``qhoptim.torch``, ``qhoptim.keras`` and ``qhoptim.optax`` and
-import only their own framework.
+Backends live in ``qhoptim.torch``, ``qhoptim.keras``, ``qhoptim.optax`` and
+``qhoptim.mlx`` and import only their own framework.
 """
 
 from __future__ import annotations

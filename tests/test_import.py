@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "jaxlib", "optax", "flax")
+FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "jaxlib", "optax", "flax", "mlx")
 
 
 def _fresh(code: str) -> str:

@@ -60,6 +60,7 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     "qhoptim.pyt": ("torch",),
     "qhoptim.keras": ("keras",),
     "qhoptim.optax": ("jax", "optax"),
+    "qhoptim.mlx": ("mlx",),
 }
 
 # Runs in the isolated interpreter: argv = [site, repo, module, ...]; prints
@@ -179,6 +180,7 @@ EXTRAS = {
     "qhoptim.pyt": "qhoptim[torch]",
     "qhoptim.keras": "qhoptim[tensorflow]",
     "qhoptim.optax": "qhoptim[jax]",
+    "qhoptim.mlx": "qhoptim[mlx]",
 }
 # qhoptim.keras imports the module of the active Keras backend only.
 KERAS_BACKEND_MODULES = {"tensorflow": "qhoptim.keras._tensorflow", "torch": "qhoptim.keras._torch"}

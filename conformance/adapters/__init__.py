@@ -36,6 +36,7 @@ REGISTRY: dict[str, str] = {
     "torch-fused": "conformance.adapters.torch:TorchFusedAdapter",
     "optax": "conformance.adapters.optax:OptaxAdapter",
     "keras": "conformance.adapters.keras:KerasAdapter",
+    "mlx": "conformance.adapters.mlx:MLXAdapter",
 }
 
 

@@ -68,8 +68,13 @@ BENCHMARKS = DOCS / "benchmarks"
 JOB_TIMEOUT = 420  # seconds, per subprocess
 
 # qhoptim backend module -> the framework it needs.
-BACKENDS = {"qhoptim.torch": "torch", "qhoptim.keras": "keras", "qhoptim.optax": "optax"}
-FRAMEWORKS = {"torch", "keras", "optax", "jax"}
+BACKENDS = {
+    "qhoptim.torch": "torch",
+    "qhoptim.keras": "keras",
+    "qhoptim.optax": "optax",
+    "qhoptim.mlx": "mlx",
+}
+FRAMEWORKS = {"torch", "keras", "optax", "jax", "mlx"}
 # conformance adapter -> the qhoptim module it tests (None: the core).
 ADAPTER_MODULES = {
     "torch": "qhoptim.torch",
@@ -77,6 +82,7 @@ ADAPTER_MODULES = {
     "torch-fused": "qhoptim.torch",
     "optax": "qhoptim.optax",
     "keras": "qhoptim.keras",
+    "mlx": "qhoptim.mlx",
 }
 
 

@@ -1,0 +1,106 @@
+"""Time one optimizer step of qhoptim.mlx against MLX's own optimizers.
+
+    python -m benchmarks.mlx_step [--repeats 40] [--suites resnet18 500x1k]
+
+For ResNet-18-shaped float32 parameters and 500 tensors of 1,000 elements
+(``benchmarks/shapes.py``), every optimizer gets its own parameters and the
+same fixed gradients; after 5 warm-up rounds (compilation included) they step
+*interleaved*, one step each, round by round, so that machine noise hits all
+of them alike. Each step is ``apply_gradients`` followed by ``mx.eval`` of
+the parameters and the state, timed two ways:
+
+* ``eager``: ``optimizer.apply_gradients`` as written;
+* ``compiled``: the same call inside ``mx.compile`` with the optimizer's state
+  as ``inputs`` and ``outputs`` (MLX's documented compiled training step).
+
+Prints the median ms per step and the ratio of each QH optimizer to its MLX
+counterpart: QHM vs ``SGD(momentum=0.9, nesterov=True)``, QHAdam vs
+``Adam(bias_correction=True)`` (QHAdam is always bias-corrected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+
+import qhoptim.mlx as qhmlx
+from benchmarks.shapes import SUITES
+
+PAIRS = {
+    "qhm": (lambda: qhmlx.QHM(0.1, momentum=0.999, nu=0.7), "sgd-nesterov"),
+    "qhadam": (lambda: qhmlx.QHAdam(1e-3, nus=(0.7, 1.0)), "adam"),
+}
+BASELINES: dict[str, Callable[[], optim.Optimizer]] = {
+    "sgd-nesterov": lambda: optim.SGD(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optim.Adam(1e-3, bias_correction=True),
+}
+
+
+def _step_fn(opt: optim.Optimizer, compiled: bool) -> Callable[[Any, Any], Any]:
+    def step(params: Any, grads: Any) -> Any:
+        return opt.apply_gradients(grads, params)
+
+    if not compiled:
+        return step
+    state = [opt.state]
+    return mx.compile(step, inputs=state, outputs=state)
+
+
+def bench(shapes: list[tuple[int, ...]], compiled: bool, repeats: int) -> dict[str, float]:
+    grads = {
+        f"p{i}": mx.random.normal(s, key=mx.random.key(i)) * 1e-3 for i, s in enumerate(shapes)
+    }
+    mx.eval(grads)
+    factories = {name: make for name, (make, _) in PAIRS.items()} | BASELINES
+    runs = {}
+    for name, make in factories.items():
+        opt = make()
+        params = {f"p{i}": mx.ones(s, mx.float32) for i, s in enumerate(shapes)}
+        opt.init(params)
+        mx.eval(params, opt.state)
+        runs[name] = [opt, _step_fn(opt, compiled), params]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(repeats + 5):  # 5 warm-up rounds (compilation included)
+        for name, run in runs.items():
+            opt, step, params = run
+            t0 = time.perf_counter()
+            params = step(params, grads)
+            mx.eval(params, opt.state)
+            if i >= 5:
+                times[name].append(time.perf_counter() - t0)
+            run[2] = params
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
+    args = parser.parse_args()
+    mx.set_default_device(mx.cpu)
+    print(f"mlx {mx.__version__}, device {mx.default_device()}, {platform.machine()}")
+    print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / MLX baseline\n")
+    print(
+        f"{'params':<10}{'step':<10}{'optimizer':<12}{'ms':>9}{'baseline':>14}{'ms':>9}{'ratio':>8}"
+    )
+    for suite in args.suites:
+        for compiled in (False, True):
+            ms = bench(SUITES[suite], compiled, args.repeats)
+            for name, (_, base) in PAIRS.items():
+                mode = "compiled" if compiled else "eager"
+                print(
+                    f"{suite:<10}{mode:<10}{name:<12}{ms[name]:>9.2f}{base:>14}"
+                    f"{ms[base]:>9.2f}{ms[name] / ms[base]:>8.2f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The shared invalid-input table (conformance/invalid_inputs.py) against qhoptim.mlx."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import pytest
+
+from conformance.invalid_inputs import INVALID, NAMES, Invalid, backend_kwargs, pattern
+from qhoptim import reference
+from qhoptim.mlx import QHM, QHAdam, QHAdamW
+
+FAMILIES = [("qhm", QHM), ("qhadam", QHAdam), ("qhadam", QHAdamW)]
+CASES = [(family, cls, e) for family, cls in FAMILIES for e in INVALID if e.applies_to(family)]
+IDS = [f"{cls.__name__}-{entry.id}" for _, cls, entry in CASES]
+
+
+@pytest.mark.parametrize(("family", "cls", "entry"), CASES, ids=IDS)
+def test_constructor_rejects(family: str, cls: type, entry: Invalid) -> None:
+    with pytest.raises(entry.error, match=pattern(entry, NAMES["mlx"][entry.param])):
+        cls(**backend_kwargs("mlx", family, entry))
+
+
+def test_every_mlx_argument_of_the_table_is_tried() -> None:
+    tried = {NAMES["mlx"][e.param] for _, _, e in CASES}
+    assert tried == {"learning_rate", "momentum", "nu", "weight_decay"} | {
+        "betas[0]", "betas[1]", "nus[0]", "nus[1]", "eps", "betas", "nus",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "learning_rate",
+    [
+        mx.array(0.1),
+        mx.array(0.1, dtype=mx.float64),
+        optim.cosine_decay(0.1, 100),
+        lambda step: 0.1 * 0.9**step,
+    ],
+    ids=["float32-array", "float64-array", "mlx-schedule", "callable"],
+)
+def test_arrays_and_schedules_are_passed_through(learning_rate) -> None:
+    # Not concrete numbers: their value is known only when a step runs.
+    for opt in (QHM(learning_rate), QHAdam(learning_rate), QHAdamW(learning_rate)):
+        assert opt.learning_rate.size == 1
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, mx.array(True)], ids=repr)
+@pytest.mark.parametrize("cls", [QHAdam, QHAdamW])
+def test_amsgrad_must_be_a_bool_as_in_the_reference(cls: type, value) -> None:
+    with pytest.raises(TypeError) as want:
+        reference.QHAdam(amsgrad=value)
+    with pytest.raises(TypeError) as got:
+        cls(1e-3, amsgrad=value)
+    assert str(got.value) == str(want.value)
