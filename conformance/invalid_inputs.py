@@ -240,6 +240,20 @@ INVALID: list[Invalid] = [
         "weight_decay", [(-0.1, "-0.1"), (-1, "-1"), (math.nan, "nan"), (math.inf, "inf")]
     ),
     Invalid("weight_decay", "0.01", "'0.01'", TypeError),
+    # Concrete scalars -- 0-d and one-element arrays whose value is known -- are
+    # read as the float they hold and checked like one, in every backend (the
+    # message shows that float); only traced values pass unchecked.
+    *_bad_numbers("lr", [(np.array([-0.1]), "-0.1")]),
+    *_bad_numbers("momentum", [(np.array([1.5]), "1.5"), (np.array(1.0, np.float32), "1.0")]),
+    *_bad_numbers("beta1", [(np.array(-1.0), "-1.0")]),
+    *_bad_numbers("beta2", [(np.array([1.0]), "1.0")]),
+    *_bad_numbers("nu", [(np.array(np.inf), "inf")]),
+    *_bad_numbers("nu1", [(np.array([np.nan]), "nan")]),
+    *_bad_numbers("nu2", [(np.array([1.5], np.float32), "1.5")]),
+    *_bad_numbers("eps", [(np.array([-1.0]), "-1.0")]),
+    *_bad_numbers("weight_decay", [(np.array(-0.1), "-0.1")]),
+    Invalid("momentum", np.array(True), "array(True)", TypeError),
+    Invalid("eps", np.array([1j]), "array([0.+1.j])", TypeError),
     # pairs (torch, the reference and convert.from_adam take betas and nus as pairs)
     Invalid("betas", (0.9, 0.99, 0.999), "(0.9, 0.99, 0.999)"),
     Invalid("betas", (0.9,), "(0.9,)"),

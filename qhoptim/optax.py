@@ -96,6 +96,24 @@ def _flatten(tree: Any) -> tuple[list[Any], Any]:
     return jax.tree.flatten(tree, is_leaf=_is_none)
 
 
+def _leaves_like(treedef: Any, tree: Any, what: str) -> list[Any]:
+    """The leaves of ``tree`` (a state field), which must have the updates' structure.
+
+    ``optax.adam`` pairs updates and state with ``jax.tree.map``, which raises
+    on a structure mismatch; so does this. Flattening each tree on its own would
+    pair leaves by position: gradients ``[x, y]`` for a state of ``{"a": x,
+    "b": y}`` would be accepted, and leaves in another order would be given
+    another parameter's moments.
+    """
+    try:
+        return treedef.flatten_up_to(tree)  # type: ignore[no-any-return]
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"pytree structure error: the updates do not have the structure of the "
+            f"optimizer state's {what} (the parameters it was initialised for): {error}"
+        ) from error
+
+
 def _abs_sq(x: jax.Array) -> jax.Array:
     # |x|^2 of a real or complex array, real-valued; exactly x*x for real x.
     return jnp.real(x * jnp.conj(x))
@@ -140,9 +158,12 @@ def _bias_correction(beta: float | jax.Array, count: jax.Array) -> jax.Array:
     return jnp.asarray(rules.bias_correction(beta_value, count, expm1=jnp.expm1))
 
 
-def _check_learning_rate(learning_rate: ScalarOrSchedule) -> None:
-    if not callable(learning_rate):
-        validation.check_lr(learning_rate, "learning_rate")
+def _check_learning_rate(learning_rate: ScalarOrSchedule) -> ScalarOrSchedule:
+    """The checked learning rate; a concrete scalar (a one-element array) as a float."""
+    if callable(learning_rate):
+        return learning_rate
+    validation.check_lr(learning_rate, "learning_rate")
+    return validation.as_float(learning_rate)
 
 
 def scale_by_qhm(
@@ -179,6 +200,9 @@ def scale_by_qhm(
     """
     validation.check_beta(momentum, "momentum")
     validation.check_nu(nu, "nu")
+    # Concrete scalars (one-element NumPy or JAX arrays) as the floats they hold;
+    # traced values (jit, inject_hyperparams) stay arrays.
+    momentum, nu = validation.as_float(momentum), validation.as_float(nu)
     accumulator_dtype = _canonical_dtype(accumulator_dtype)
 
     def init_fn(params: optax.Params) -> ScaleByQHMState:
@@ -189,7 +213,7 @@ def scale_by_qhm(
     ) -> tuple[optax.Updates, ScaleByQHMState]:
         del params
         grads, treedef = _flatten(updates)
-        buffers, _ = _flatten(state.momentum_buffer)
+        buffers = _leaves_like(treedef, state.momentum_buffer, "momentum_buffer")
         new_updates: list[Any] = []
         new_buffers: list[Any] = []
         for g, buf in zip(grads, buffers, strict=True):
@@ -285,6 +309,7 @@ def scale_by_qhadam(
         names={"beta1": "b1", "beta2": "b2"},
     )
     validation.check_bool(amsgrad, "amsgrad")
+    b1, b2, nu1, nu2, eps = map(validation.as_float, (b1, b2, nu1, nu2, eps))
     mu_dtype = _canonical_dtype(mu_dtype)
 
     def init_fn(params: optax.Params) -> ScaleByQHAdamState | ScaleByQHAdamAmsgradState:
@@ -307,15 +332,15 @@ def scale_by_qhadam(
         count = optax.safe_increment(state.count)
         bc1, bc2 = _bias_correction(b1, count), _bias_correction(b2, count)
         grads, treedef = _flatten(updates)
-        exp_avgs, _ = _flatten(state.mu)
-        exp_avg_sqs, _ = _flatten(state.nu)
+        exp_avgs = _leaves_like(treedef, state.mu, "mu")
+        exp_avg_sqs = _leaves_like(treedef, state.nu, "nu")
         if amsgrad:
             if not isinstance(state, ScaleByQHAdamAmsgradState):
                 raise TypeError(
                     "scale_by_qhadam(amsgrad=True) needs its own state, "
                     f"ScaleByQHAdamAmsgradState (from its init); received {type(state).__name__}"
                 )
-            maxes, _ = _flatten(state.nu_max)
+            maxes = _leaves_like(treedef, state.nu_max, "nu_max")
         else:
             maxes = [None] * len(grads)
         new_updates: list[Any] = []
@@ -413,7 +438,7 @@ def qhm(
       Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
       <https://arxiv.org/abs/1810.06801>`_, ICLR 2019.
     """
-    _check_learning_rate(learning_rate)
+    learning_rate = _check_learning_rate(learning_rate)
     return optax.chain(
         scale_by_qhm(momentum, nu, accumulator_dtype=accumulator_dtype),
         optax.scale_by_learning_rate(learning_rate),
@@ -476,7 +501,7 @@ def qhadam(
       Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
       <https://arxiv.org/abs/1810.06801>`_, ICLR 2019.
     """
-    _check_learning_rate(learning_rate)
+    learning_rate = _check_learning_rate(learning_rate)
     return optax.chain(
         scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype, amsgrad=amsgrad),
         optax.scale_by_learning_rate(learning_rate),
@@ -534,8 +559,9 @@ def qhadamw(
       Loshchilov & Hutter, `Decoupled weight decay regularization
       <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
     """
-    _check_learning_rate(learning_rate)
+    learning_rate = _check_learning_rate(learning_rate)
     validation.check_weight_decay(weight_decay)
+    weight_decay = validation.as_float(weight_decay)
     return optax.chain(
         scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype, amsgrad=amsgrad),
         optax.add_decayed_weights(weight_decay, mask),

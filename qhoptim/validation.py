@@ -6,13 +6,17 @@ sentence everywhere::
 
     ValueError: momentum must be in [0, 1); received momentum=1.2
 
-Only *concrete* numbers are checked: Python and NumPy reals. An array or
-tensor -- a traced array under ``jax.jit`` or ``optax.inject_hyperparams``, a
-torch tensor, a Keras variable -- and a learning-rate schedule or other
-callable are returned untouched, because their value is not known (or not
-cheaply knowable) when the optimizer is built. Everything else -- a string,
-``None``, a bool, a complex number, a list or tuple where one number is
-expected -- is a ``TypeError`` in the same shape::
+Only *concrete* numbers are checked, and every backend checks them the same
+way: Python and NumPy reals, and *concrete scalars* -- 0-d or one-element
+arrays and tensors of NumPy, JAX, TensorFlow or torch whose value is known
+(:func:`concrete_float` reads them as a Python float; backends store that
+float). Values whose number is only known later are returned untouched: a
+traced array under ``jax.jit`` or ``optax.inject_hyperparams`` (or in a
+``tf.function`` graph), a variable (anything with an ``assign`` method, such as
+a Keras or TensorFlow variable, meant to change while training), an array of
+several elements, and a learning-rate schedule or other callable. Everything
+else -- a string, ``None``, a bool, a complex number, a list or tuple where one
+number is expected -- is a ``TypeError`` in the same shape::
 
     TypeError: momentum must be a real number; received momentum='0.9'
 """
@@ -21,10 +25,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 __all__ = [
+    "as_float",
     "check_beta",
     "check_bool",
     "check_eps",
@@ -46,13 +52,53 @@ __all__ = [
 T = TypeVar("T")
 
 
-def _deferred(value: object) -> bool:
-    """Whether ``value``'s number is only known later: an array, tensor or tracer, or a callable."""
-    return callable(value) or (hasattr(value, "shape") and hasattr(value, "dtype"))
-
-
 def _not_a_number(name: str, value: object) -> TypeError:
     return TypeError(f"{name} must be a real number; received {name}={value!r}")
+
+
+class _Deferred:
+    """The marker :func:`_scalar_of` returns for a value not known yet."""
+
+
+_DEFERRED = _Deferred()
+
+
+def _is_jax_tracer(value: object) -> bool:
+    # Only if JAX is imported already: a tracer cannot exist otherwise.
+    jax = sys.modules.get("jax")
+    core = getattr(jax, "core", None)
+    tracer = getattr(core, "Tracer", None)
+    return isinstance(tracer, type) and isinstance(value, tracer)
+
+
+def _scalar_of(value: object) -> object:
+    """The Python scalar of a concrete one-element array or tensor (any framework).
+
+    :data:`_DEFERRED` for a value whose number is not known yet: a traced
+    value, a variable (it has ``assign``: it may change while training), an
+    array of other than one element, or one whose value cannot be read here
+    (a symbolic TensorFlow tensor, a torch meta or fake tensor). Duck-typed,
+    so that no framework is imported.
+    """
+    if hasattr(value, "assign") or _is_jax_tracer(value):
+        return _DEFERRED
+    try:
+        dims: list[int] = [int(d) for d in value.shape]  # type: ignore[attr-defined]
+        size = math.prod(dims)
+    except Exception:
+        return _DEFERRED
+    if size != 1:
+        return _DEFERRED
+    try:
+        if hasattr(value, "item"):  # NumPy, JAX, torch
+            return value.item()
+        if hasattr(value, "numpy"):  # TensorFlow's eager tensors
+            return value.numpy().item()
+        if hasattr(value, "__array__"):
+            return value.__array__().item()
+    except Exception:
+        return _DEFERRED
+    return _DEFERRED
 
 
 def _concrete(value: object, name: str | None) -> float | None:
@@ -63,17 +109,22 @@ def _concrete(value: object, name: str | None) -> float | None:
         raise _not_a_number(name, value)
     if isinstance(value, numbers.Real):
         return float(value)
-    # 0-d numpy arrays of real numbers (but no other array type: those may be traced values).
-    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
-        kind = getattr(getattr(value, "dtype", None), "kind", "")
-        if kind and kind in "iuf":
-            return float(value)  # type: ignore[arg-type]
-        if kind == "b" and name is None:
-            raise TypeError(f"expected a real number, received the bool {value!r}")
-        if name is None:
+    if callable(value) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        # A schedule, or no array at all (a string, None, a list, a complex number).
+        if callable(value) or name is None:
             return None
         raise _not_a_number(name, value)
-    if _deferred(value) or name is None:
+    scalar = _scalar_of(value)
+    if scalar is _DEFERRED:
+        return None
+    if isinstance(scalar, bool):  # a boolean array
+        if name is None:
+            raise TypeError(f"expected a real number, received the bool {value!r}")
+        raise _not_a_number(name, value)
+    if isinstance(scalar, numbers.Real):
+        return float(scalar)
+    # A complex or non-numeric array.
+    if name is None:
         return None
     raise _not_a_number(name, value)
 
@@ -81,13 +132,35 @@ def _concrete(value: object, name: str | None) -> float | None:
 def concrete_float(value: object) -> float | None:
     """Return ``value`` as a float if it is a concrete real number, else ``None``.
 
-    Python ``int``/``float``, NumPy scalars and 0-d NumPy arrays are concrete.
-    Booleans are not numbers here (``momentum=True`` is a mistake, not ``1``):
-    they raise ``TypeError``. The ``check_*`` functions go further and reject
-    every value that is neither a concrete real nor deferred (see the module
-    docstring).
+    Python ``int``/``float``, NumPy scalars and *concrete scalars* -- 0-d or
+    one-element arrays and tensors of any framework (NumPy, JAX, TensorFlow,
+    torch) whose value is known -- are concrete. Traced values, variables,
+    arrays of several elements and callables are not (``None``). Booleans are
+    not numbers here (``momentum=True`` is a mistake, not ``1``): they raise
+    ``TypeError``. The ``check_*`` functions go further and reject every value
+    that is neither a concrete real nor deferred (see the module docstring).
     """
     return _concrete(value, None)
+
+
+def as_float(value: T) -> float | T:
+    """``value`` as a backend stores it once checked: a concrete scalar as a Python float.
+
+    A concrete real that is not a Python ``int`` or ``float`` (a NumPy scalar,
+    a one-element array or tensor whose value is known) becomes its ``float``,
+    so that no step ever computes with an array the optimizer was not built
+    for (a float64 0-d array in a float32 kernel, a negative ε read only inside
+    ``jit``). Python numbers, deferred values (traced arrays, variables,
+    schedules) and values that are not numbers at all come back unchanged:
+    call this after the ``check_*`` functions, which report the latter.
+    """
+    if type(value) in (int, float):
+        return value
+    try:
+        x = concrete_float(value)
+    except TypeError:
+        return value
+    return value if x is None else x
 
 
 def _fmt(x: float) -> str:

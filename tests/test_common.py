@@ -392,5 +392,10 @@ def test_input_types() -> None:
     assert got == param_conv.from_pid(-0.5, 1.0, 4.5)
     with pytest.raises(TypeError, match="beta1 must be a real number"):
         param_conv.from_nadam(1e-3, True, 0.999)
+    # A concrete one-element array is the number it holds (the rule of every
+    # backend); an array of several numbers is not one number.
+    assert param_conv.from_accsgd(1e-3, 100.0, np.array([5.0]), 0.7) == param_conv.from_accsgd(  # type: ignore[arg-type]
+        1e-3, 100.0, 5.0, 0.7
+    )
     with pytest.raises(TypeError, match="must be a real number"):
-        param_conv.from_accsgd(1e-3, 100.0, np.array([5.0]), 0.7)  # type: ignore[arg-type]
+        param_conv.from_accsgd(1e-3, 100.0, np.array([5.0, 6.0]), 0.7)  # type: ignore[arg-type]

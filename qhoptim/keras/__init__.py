@@ -244,7 +244,13 @@ def _qhadam_amsgrad_step(
 
 # ---------------------------------------------------------------------- plumbing
 def _float(value: Any) -> Any:
-    """Concrete real numbers as Python floats (JSON-serializable config); others as given."""
+    """Concrete real numbers as Python floats (JSON-serializable config); others as given.
+
+    Concrete scalars -- 0-d or one-element arrays and tensors of any framework
+    whose value is known -- included: a float64 ``tf.constant`` would otherwise
+    meet the float32 step count in ``Pow``, and a JAX array would be checked
+    only when the step fails. Variables (meant to change) stay variables.
+    """
     x = validation.concrete_float(value)
     return value if x is None else x
 
@@ -253,10 +259,14 @@ def _learning_rate(value: Any) -> Any:
     # Keras accepts only Python floats (plus schedules and callables); an int
     # learning rate (``learning_rate=1``) is taken as the float it means --
     # after the check, so that an error shows the value as it was typed.
+    # A concrete scalar (a one-element NumPy/JAX/TF/torch array) is read as the
+    # float it holds, as every other hyperparameter is (:func:`_float`).
     validation.check_lr(value, "learning_rate")
+    if callable(value):
+        return value
     if isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    return value
+    return validation.as_float(value)
 
 
 def _doc(cls: type) -> type:
@@ -282,21 +292,84 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
         # ``rules.apply_update``): same math as Keras's separate pass, one pass less.
         return
 
+    #: The store key under which :meth:`save_own_variables` records which slots
+    #: the optimizer keeps (:meth:`_layout`), so that a store of another QH
+    #: optimizer whose shapes happen to fit is not loaded.
+    _LAYOUT_KEY = "qhoptim_layout"
+
+    def _layout(self) -> int:
+        """The slots kept per model variable: 1 (QHM), 2 (QHAdam), 3 (QHAdam with amsgrad)."""
+        raise NotImplementedError
+
+    def save_own_variables(self, store: Any) -> None:
+        """Save the optimizer's variables (Keras's), and which slots they are."""
+        super().save_own_variables(store)
+        import numpy as np
+
+        store[self._LAYOUT_KEY] = np.array([self._layout()], dtype="int64")
+
     def load_own_variables(self, store: Any) -> None:
         """Load the optimizer's variables (``.keras`` files), all or none.
 
-        Every shape is checked before any variable is assigned, so a store
-        saved from another model or optimizer raises ``ValueError`` and leaves
-        the state as it was (Keras alone assigns until the first mismatch).
+        The whole store is checked before any variable is assigned: the
+        optimizer it was saved from (stores saved by this version record their
+        slots), the number of variables, and each value's shape and numeric
+        type. A store saved from another model or optimizer raises
+        ``ValueError`` and leaves the state as it was (Keras alone warns on a
+        count mismatch and loads nothing, and assigns until the first mismatch).
         """
-        for i, variable in enumerate(self.variables):
-            value = store[str(i)] if str(i) in store else None
-            if value is not None and tuple(value.shape) != tuple(variable.shape):
+        import numpy as np
+
+        name = type(self).__name__
+        keys = {str(k) for k in store.keys()}
+        if self._LAYOUT_KEY in keys:
+            saved = np.asarray(store[self._LAYOUT_KEY]).ravel()
+            kinds = {
+                1: "QHM's (momentum)",
+                2: "QHAdam's (momentum, velocity)",
+                3: ("QHAdam's with amsgrad (momentum, velocity, velocity_hat)"),
+            }
+            if saved.tolist() != [self._layout()]:
+                got = kinds.get(saved.tolist()[0], repr(saved.tolist())) if saved.size else saved
                 raise ValueError(
-                    f"{type(self).__name__} cannot load its variable {i} ({variable.path}): "
+                    f"{name} cannot load these variables: they are {got} slots, "
+                    f"this optimizer keeps {kinds[self._layout()]}"
+                )
+            keys.discard(self._LAYOUT_KEY)
+        if len(keys) != len(self.variables):
+            hint = (
+                " (is the optimizer built? it builds on its first step, or with "
+                "optimizer.build(model.trainable_variables))"
+                if not self.built
+                else ""
+            )
+            raise ValueError(
+                f"{name} cannot load a store of {len(keys)} variables: it has "
+                f"{len(self.variables)}{hint}; was it saved from another model or optimizer?"
+            )
+        values = []
+        for i, variable in enumerate(self.variables):
+            if str(i) not in keys:
+                raise ValueError(f"{name} cannot load its variable {i}: the store has no entry {i}")
+            try:
+                value = np.asarray(store[str(i)])
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"{name} cannot load its variable {i} ({variable.path}): {error}"
+                ) from error
+            if value.dtype.kind not in "biuf":
+                raise ValueError(
+                    f"{name} cannot load its variable {i} ({variable.path}): saved with "
+                    f"dtype {value.dtype}, not a number"
+                )
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"{name} cannot load its variable {i} ({variable.path}): "
                     f"saved with shape {tuple(value.shape)}, it has {tuple(variable.shape)}"
                 )
-        super().load_own_variables(store)
+            values.append(value)
+        for variable, value in zip(self.variables, values, strict=True):
+            variable.assign(value)
 
     def _weight_decay_for(self, variable: Any) -> Any:
         """The decoupled weight decay of ``variable``: a float, or None for none."""
@@ -482,6 +555,9 @@ class QHM(_QHOptimizer):
             return
         super().build(var_list)
         self._momentums = self.add_optimizer_variables(var_list, "momentum")
+
+    def _layout(self):
+        return 1
 
     def _hyperparameters(self):
         return {"momentum": self.momentum, "nu": self.nu}
@@ -672,6 +748,9 @@ class QHAdam(_QHOptimizer):
         if self.amsgrad:
             self._velocity_hats = self.add_optimizer_variables(var_list, "velocity_hat")
 
+    def _layout(self):
+        return 3 if self.amsgrad else 2
+
     def _hyperparameters(self):
         return {
             "beta1": self.beta_1,
@@ -768,6 +847,9 @@ class QHAdamW(QHAdam):
         amsgrad=False,
         **kwargs,
     ):
+        # None means "no decay" for QHAdam (Keras's convention); QHAdamW is the
+        # decay, so None is not a number here, in the sentence of every backend.
+        validation.check_weight_decay(weight_decay, "weight_decay")
         super().__init__(
             learning_rate=learning_rate,
             beta_1=beta_1,
@@ -788,5 +870,3 @@ class QHAdamW(QHAdam):
             amsgrad=amsgrad,
             **kwargs,
         )
-        if self.weight_decay is None:
-            raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")

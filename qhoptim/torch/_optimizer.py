@@ -21,6 +21,8 @@ from torch.optim.optimizer import (
     required as required,  # torch's sentinel (add_param_group checks it); for qhoptim.pyt
 )
 
+from qhoptim import validation
+
 _TORCH_FLAGS = {
     "maximize": False,
     "foreach": None,
@@ -220,6 +222,38 @@ def numbers_only(hparams: dict[str, Any]) -> None:
                 f"{name} must be a Python number (only lr may be a tensor); "
                 f"received {name}={value!r}"
             )
+
+
+# The hyperparameters a param group may hold as numbers (QHM's and QHAdam's).
+_HPARAMS = ("lr", "momentum", "nu", "weight_decay", "eps")
+_PAIRS = ("betas", "nus")
+
+
+def _number(value: Any) -> Any:
+    # A concrete scalar of another kind (a NumPy scalar or 0-d array, a JAX
+    # array) as the Python float it holds; torch tensors are left to
+    # lr_value / numbers_only (lr may stay a tensor, the others are refused).
+    return value if isinstance(value, Tensor) else validation.as_float(value)
+
+
+def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` with its hyperparameters' concrete scalars as Python floats.
+
+    The steps fold hyperparameters into Python-float coefficients of in-place
+    kernels; a 0-d NumPy array there fails (``_foreach_add``) once the step
+    count has advanced. So, as in every backend, a concrete scalar is read once,
+    when the group is made (constructor, ``add_param_group``, ``load_state_dict``).
+    """
+    out = dict(group)
+    for key in _HPARAMS:
+        if key in out:
+            out[key] = _number(out[key])
+    for key in _PAIRS:
+        pair = out.get(key)
+        if isinstance(pair, (tuple, list)) and len(pair) == 2:
+            values = [_number(v) for v in pair]
+            out[key] = tuple(values) if isinstance(pair, tuple) else values
+    return out
 
 
 def needs_formula(lr: Any, capturable: bool, differentiable: bool) -> bool:
@@ -423,10 +457,15 @@ class QHOptimizer(Optimizer):
                 f"received decoupled_weight_decay={decoupled!r}"
             )
 
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(params, as_numbers(defaults))
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
             param_group = self._renamed(param_group, warn=True)
         self._check_group({**self.defaults, **param_group})
+        if isinstance(param_group, dict):
+            param_group = as_numbers(param_group)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -449,6 +488,11 @@ class QHOptimizer(Optimizer):
             if result is not None:
                 state_dict = result
         self._check_state_dict(state_dict)
+        # Concrete scalars in the saved groups as floats, as in add_param_group.
+        state_dict = {
+            **state_dict,
+            "param_groups": [as_numbers(g) for g in state_dict["param_groups"]],
+        }
         self._optimizer_load_state_dict_pre_hooks = type(hooks)()  # already run
         try:
             super().load_state_dict(state_dict)

@@ -131,9 +131,21 @@ class QHAdam(QHOptimizer):
             cast_complex_state(p, p_state)
             if "beta1_weight" in p_state:
                 _from_qhoptim_1_1(p_state, group["betas"])
-            if not torch.is_tensor(p_state["step"]):
-                step = float(p_state["step"])
-                p_state["step"] = torch.tensor(step, **self._step_dtype_and_device(group, p))
+            # The step count as a fresh state would have it (float32, or float64
+            # under a float64 default dtype; on the parameter's device when
+            # capturable or fused, as torch's Adam moves it): a saved int64 or
+            # float16 count would make every multi-tensor step fail on the mix
+            # of dtypes.
+            where = self._step_dtype_and_device(group, p)
+            step = p_state["step"]
+            if not torch.is_tensor(step):
+                p_state["step"] = torch.tensor(float(step), **where)
+            elif (
+                step.dtype != where["dtype"]
+                or step.dim() != 0
+                or ("device" in where and step.device != where["device"])
+            ):
+                p_state["step"] = step.detach().reshape(()).to(**where)
 
     def _init_group(
         self,

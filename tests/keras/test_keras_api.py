@@ -202,8 +202,16 @@ def test_messages_are_the_validation_modules() -> None:
 
 
 def test_qhadamw_needs_a_weight_decay() -> None:
-    with pytest.raises(ValueError, match="weight_decay"):
+    # The shared sentence of torch's and optax's QHAdamW (the core's check), not
+    # Keras's own message.
+    from qhoptim import validation
+
+    with pytest.raises(TypeError) as core:
+        validation.check_weight_decay(None, "weight_decay")
+    with pytest.raises(TypeError) as ours:
         qk.QHAdamW(weight_decay=None)
+    assert str(ours.value) == str(core.value)
+    assert str(ours.value) == "weight_decay must be a real number; received weight_decay=None"
 
 
 def test_bool_hyperparameter_is_a_type_error() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -55,3 +57,67 @@ def test_callables_schedules_and_numpy_scalars_pass() -> None:
         v = keras.Variable(np.ones(3, "float32"))
         opt.apply([keras.ops.ones((3,))], [v])
         assert np.all(np.isfinite(keras.ops.convert_to_numpy(v)))
+
+
+# ------------------------------------------- concrete scalars are checked as floats
+def _arrays():
+    """One-element arrays and tensors of every framework at hand: (name, make)."""
+    makers = [("numpy", lambda v: np.array(v, "float32"))]
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax.numpy as jnp
+
+        makers.append(("jax", lambda v: jnp.array(v, "float32")))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        makers.append(("tf", lambda v: tf.constant(v)))
+        makers.append(("tf-float64", lambda v: tf.constant(v, "float64")))
+    if backend == "torch":
+        import torch
+
+        makers.append(("torch", lambda v: torch.tensor(v)))
+    makers.append(("keras", lambda v: keras.ops.convert_to_tensor(v)))
+    return makers
+
+
+ARRAYS = _arrays()
+
+
+@pytest.mark.parametrize(("kind", "array"), ARRAYS, ids=[k for k, _ in ARRAYS])
+@pytest.mark.parametrize(
+    ("cls", "name", "value", "requirement"),
+    [
+        (qk.QHM, "momentum", [1.5], "in [0, 1)"),
+        (qk.QHAdam, "beta_1", -1.0, "in [0, 1)"),
+        (qk.QHAdam, "epsilon", [-1.0], "in [0, inf)"),
+        (qk.QHAdam, "nu_2", 2.0, "in [0, 1]"),
+        (qk.QHAdamW, "weight_decay", [-0.5], "in [0, inf)"),
+        (qk.QHM, "learning_rate", -0.5, "in [0, inf)"),
+    ],
+)
+def test_concrete_tensors_are_range_checked(kind, array, cls, name, value, requirement) -> None:
+    # beta_1=jnp.array(-1.) used to fail only at the step ("math domain error"),
+    # momentum=[1.5] trained as gradient ascent.
+    kwargs = {"learning_rate": 0.1, name: array(value)}
+    shown = repr(float(np.ravel(value)[0]))
+    message = f"{name} must be {requirement}; received {name}={shown}"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize(("kind", "array"), ARRAYS, ids=[k for k, _ in ARRAYS])
+def test_concrete_tensors_step_as_the_floats_they_hold(kind, array) -> None:
+    # tf.constant(0.5) as beta_1 used to be accepted, then the first step failed
+    # (Pow of float64 and float32).
+    # Values float32 holds exactly: the arrays are float32 (0.7 would round).
+    hparams = {"beta_1": 0.5, "beta_2": 0.75, "nu_1": 0.625, "nu_2": 0.5, "epsilon": 0.25}
+    results = []
+    for kwargs in (hparams, {k: array(v) for k, v in hparams.items()}):
+        opt = qk.QHAdam(learning_rate=array(0.125) if kwargs is not hparams else 0.125, **kwargs)
+        assert all(type(getattr(opt, k)) is float for k in hparams)
+        v = keras.Variable(np.linspace(-1.0, 1.0, 3).astype("float32"))
+        for _ in range(2):
+            opt.apply([keras.ops.convert_to_tensor(np.array([0.5, -2.0, 1.0], "float32"))], [v])
+        results.append(keras.ops.convert_to_numpy(v))
+    np.testing.assert_array_equal(results[1], results[0])

@@ -441,3 +441,37 @@ def test_flax_example_trains() -> None:
     result = runpy.run_path(str(example), run_name="example")
     losses = result["train"](steps=150)
     assert losses[-1] < 0.5 * losses[0]
+
+
+# ------------------------------------------------- updates must fit the state's tree
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize(
+    "grads",
+    [
+        lambda x, y: [x, y],  # a list for a dict
+        lambda x, y: (x, y),  # a tuple for a dict
+        lambda x, y: {"a": x, "c": y},  # another key
+        lambda x, y: {"a": x, "b": {"c": y}},  # another nesting
+    ],
+    ids=["list", "tuple", "key", "nesting"],
+)
+def test_updates_of_another_structure_raise_as_in_optax_adam(name: str, grads) -> None:
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    g = grads(jnp.full(2, 0.5), jnp.full(2, -2.0))
+    adam = optax.adam(0.1)
+    with pytest.raises(ValueError) as adam_error:
+        adam.update(g, adam.init(params), params)
+    tx = OPTIMIZERS[name]()
+    with pytest.raises(type(adam_error.value), match="pytree structure"):
+        tx.update(g, tx.init(params), params)
+
+
+def test_leaves_in_another_order_are_refused_not_swapped() -> None:
+    # Same leaf count and shapes, other order: each parameter must keep its moments.
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    tx = qho.qhadam(0.1, nu1=0.7)
+    _, state = tx.update({"a": jnp.full(2, 3.0), "b": jnp.full(2, -1.0)}, tx.init(params))
+    with pytest.raises(ValueError, match="pytree structure"):
+        tx.update([jnp.ones(2), jnp.ones(2)], state)
+    with pytest.raises(ValueError, match="pytree structure"):
+        tx.update((jnp.ones(2), jnp.ones(2)), state)

@@ -100,3 +100,16 @@ def test_x64_bias_correction_is_the_references(beta: float, step: int) -> None:
         assert abs(float(bc) - expected) <= np.finfo(np.float64).eps
         if step == 1:
             assert float(bc) == expected == 1 - beta
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_first_update_near_beta_one_is_exactly_minus_the_sign(amsgrad: bool) -> None:
+    # The Hardening II check: qhadam(1.0, b1=0.9999999, eps=0.0) in float32.
+    g = jnp.array([1.0, -2.0], jnp.float32)
+    with x64(False):
+        tx = qho.qhadam(1.0, b1=0.9999999, eps=0.0, amsgrad=amsgrad)
+        updates, _ = tx.update(g, tx.init(jnp.zeros(2, jnp.float32)))
+    assert updates.dtype == jnp.float32
+    # Within one float32 ulp of 1 (the naive 1 - b1**t is ~16% short): the bias
+    # correction -expm1(log(b1)) and the moment's (1 - b1) round separately.
+    np.testing.assert_allclose(updates, -np.sign(np.asarray(g)), rtol=0, atol=F32_EPS)

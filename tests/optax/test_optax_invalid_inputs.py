@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -84,3 +85,44 @@ def test_concrete_array_hyperparameters_and_schedules_pass() -> None:
     injected = optax.inject_hyperparams(qho.qhm)(learning_rate=0.1, momentum=0.9, nu=1.5)
     updates, _ = jax.jit(injected.update)(jnp.ones(2), injected.init(jnp.ones(2)))
     np.testing.assert_allclose(updates, -0.1 * ((1 - 1.5) + 1.5 * (1 - 0.9)) * jnp.ones(2))
+
+
+# ------------------------------------------- concrete scalars are checked as floats
+@pytest.mark.parametrize("array", [np.array, jnp.array], ids=["numpy", "jax"])
+@pytest.mark.parametrize(
+    ("factory", "kwargs", "message"),
+    [
+        (qho.qhadam, {"eps": [-1.0]}, "eps must be in [0, inf); received eps=-1.0"),
+        (qho.qhm, {"momentum": [1.5]}, "momentum must be in [0, 1); received momentum=1.5"),
+        (qho.qhadam, {"b1": -1.0}, "b1 must be in [0, 1); received b1=-1.0"),
+        (qho.qhadam, {"nu2": [2.0]}, "nu2 must be in [0, 1]; received nu2=2.0"),
+        (
+            qho.qhadamw,
+            {"weight_decay": [-0.5]},
+            "weight_decay must be in [0, inf); received weight_decay=-0.5",
+        ),
+        (
+            qho.qhm,
+            {"learning_rate": [-0.5]},
+            "learning_rate must be in [0, inf); received learning_rate=-0.5",
+        ),
+    ],
+)
+def test_concrete_arrays_are_range_checked(array, factory, kwargs, message) -> None:
+    # A one-element (or 0-d) array whose value is known is a number: it used to
+    # pass unchecked, and momentum=1.5 trained as gradient ascent.
+    kwargs = {"learning_rate": 0.1, **{k: array(v, np.float32) for k, v in kwargs.items()}}
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        factory(**kwargs)
+
+
+@pytest.mark.parametrize("array", [np.array, jnp.array], ids=["numpy", "jax"])
+def test_concrete_arrays_step_as_the_floats_they_hold(array) -> None:
+    x = jnp.linspace(-1.0, 1.0, 4)
+    g = 2.0 * x + 0.3
+    kwargs = {"b1": 0.5, "b2": 0.75, "nu1": 0.625, "nu2": 0.5, "eps": 0.25}
+    plain = qho.qhadam(0.125, **kwargs)
+    arrays = qho.qhadam(array([0.125]), **{k: array([v]) for k, v in kwargs.items()})
+    np.testing.assert_array_equal(
+        arrays.update(g, arrays.init(x))[0], plain.update(g, plain.init(x))[0]
+    )

@@ -6,6 +6,7 @@ import math
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,7 +47,11 @@ def test_added_param_group_rejects_and_changes_nothing(cls: type, entry: Invalid
     assert opt.state_dict() == before
 
 
-LR_ENTRIES = [e for e in INVALID if e.param == "lr" and e.error is ValueError]
+LR_ENTRIES = [
+    e
+    for e in INVALID
+    if e.param == "lr" and e.error is ValueError and not isinstance(e.value, np.ndarray)
+]
 
 
 @pytest.mark.parametrize("entry", LR_ENTRIES, ids=[e.id for e in LR_ENTRIES])
@@ -107,3 +112,68 @@ def test_conversion_class_methods_reject(case: Any) -> None:
     cls = QHAdam if case.function in ("from_adam", "from_nadam", "from_rmsprop") else QHM
     with pytest.raises(case.error, match=case.match):
         getattr(cls, case.function)(**case.kwargs)
+
+
+# ------------------------------------------- concrete scalars of other kinds: floats
+NUMPY_SCALARS = [
+    (QHAdam, {"weight_decay": np.array(0.1)}),
+    (QHAdam, {"betas": (0.9, np.array(0.99))}),
+    (QHAdam, {"nus": (np.array([0.7]), np.float32(0.5)), "eps": np.array(1e-3)}),
+    (QHAdamW, {"weight_decay": np.array([0.1], np.float32), "lr": np.array(0.01)}),
+    (QHM, {"momentum": np.array(0.9), "nu": np.array([0.7]), "weight_decay": np.array(0.1)}),
+]
+
+
+def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with every array replaced by the Python float it holds."""
+
+    def number(v: Any) -> Any:
+        return tuple(map(number, v)) if isinstance(v, tuple) else float(np.asarray(v).item())
+
+    return {k: number(v) for k, v in kwargs.items()}
+
+
+def _steps(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("foreach", [None, False, True])
+@pytest.mark.parametrize(("cls", "kwargs"), NUMPY_SCALARS)
+def test_numpy_scalars_are_read_as_floats(cls: type, kwargs: dict, foreach: bool | None) -> None:
+    # A 0-d NumPy array used to pass validation, and then step() failed in
+    # _foreach_add after QHAdam's step count had advanced.
+    kwargs = {"lr": 0.1, **kwargs}
+    plain = _plain(kwargs)
+    torch.manual_seed(0)
+    want = _steps(cls(ps := _params(), foreach=foreach, **plain), ps)
+    torch.manual_seed(0)
+    opt = cls(ps := _params(), foreach=foreach, **kwargs)
+    assert {k: opt.param_groups[0][k] for k in plain} == plain
+    assert all(type(x) is float for k in plain for x in np.ravel(opt.param_groups[0][k]).tolist())
+    got = _steps(opt, ps)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), NUMPY_SCALARS)
+def test_numpy_scalars_in_added_and_loaded_groups_are_read_as_floats(
+    cls: type, kwargs: dict
+) -> None:
+    kwargs = {"lr": 0.1, **kwargs}
+    plain = _plain(kwargs)
+    opt = cls(_params(), lr=0.1)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], **kwargs})
+    assert {k: opt.param_groups[1][k] for k in plain} == plain
+    _steps(opt, [p for g in opt.param_groups for p in g["params"]])
+    state = opt.state_dict()
+    state["param_groups"][1].update(kwargs)
+    fresh = cls(_params(), lr=0.1)
+    fresh.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    fresh.load_state_dict(state)
+    assert {k: fresh.param_groups[1][k] for k in plain} == plain
+    _steps(fresh, [p for g in fresh.param_groups for p in g["params"]])

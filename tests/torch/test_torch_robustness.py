@@ -240,8 +240,9 @@ def test_a_tiny_nu2_follows_the_reference(nu2: float, dtype: torch.dtype, foreac
         {"foreach": False, "capturable": True},
         {"foreach": True, "capturable": True},
         {"foreach": False, "differentiable": True},
+        {"fused": True},
     ],
-    ids=["loop", "foreach", "loop-capturable", "foreach-capturable", "differentiable"],
+    ids=["loop", "foreach", "loop-capturable", "foreach-capturable", "differentiable", "fused"],
 )
 def test_adam_first_step_is_lr_times_the_sign_in_float32(
     beta1: float, flags: dict[str, bool]

@@ -214,3 +214,38 @@ def test_a_tensor_lr_state_dict_loads_with_weights_only() -> None:
     twin = QHAdam(_params(), lr=torch.tensor(0.5))
     twin.load_state_dict(torch.load(buffer, weights_only=True))
     assert torch.equal(twin.param_groups[0]["lr"], torch.tensor(0.01))
+
+
+# --------------------------------------------------- a loaded step of another dtype
+@pytest.mark.parametrize(
+    "step_dtype", [torch.int64, torch.int32, torch.float16, torch.float64, "python"]
+)
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"foreach": False}, {"foreach": True}, {"capturable": True}],
+    ids=["default", "loop", "foreach", "capturable"],
+)
+def test_a_saved_step_of_another_dtype_is_cast_on_load(step_dtype: Any, flags: dict) -> None:
+    # A step saved as int64 (or float16) used to pass the checks, and then every
+    # multi-tensor step failed on the mix of dtypes.
+    def make(ps: list[torch.Tensor]) -> QHAdam:
+        return QHAdam(ps, lr=0.01, nus=(0.7, 0.9), **flags)
+
+    saved = _trained(make).state_dict()
+    edited = copy.deepcopy(saved)
+    for state in edited["state"].values():
+        count = int(state["step"].item())
+        state["step"] = count if step_dtype == "python" else torch.tensor(count, dtype=step_dtype)
+    expected_params, loaded_params = _params(1), _params(1)
+    expected, loaded = make(expected_params), make(loaded_params)
+    expected.load_state_dict(copy.deepcopy(saved))
+    loaded.load_state_dict(edited)
+    pairs = zip(expected.param_groups[0]["params"], loaded.param_groups[0]["params"], strict=True)
+    for p, q in pairs:
+        want, got = expected.state[p]["step"], loaded.state[q]["step"]
+        assert (got.dtype, got.device, got.shape) == (want.dtype, want.device, want.shape)
+    grads = random_grads(SHAPES, 2, seed=5)
+    run_torch(expected, expected_params, grads)
+    run_torch(loaded, loaded_params, grads)
+    for a, b in zip(expected_params, loaded_params, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
