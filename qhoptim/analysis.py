@@ -99,6 +99,17 @@ __all__ = [
 # keeps ``t * log(r)`` a finite float for arbitrarily large Python ints.
 _T_CAP = 2**1000
 
+# Largest finite float64's natural log: exp of anything above it overflows.
+_LOG_MAX = math.log(1.7976931348623157e308)
+
+
+def _square(x: float) -> float:
+    """``x ** 2``, ``inf`` where that overflows float64."""
+    try:
+        return x**2
+    except OverflowError:
+        return math.inf
+
 
 def _check_t(t: object, *, allow_none: bool) -> int | None:
     """``t`` is ``None`` (the limit, if allowed) or a non-negative integer."""
@@ -171,26 +182,52 @@ def qhadam_update_bound(
         bounds every step. The finite-``t`` bound increases with ``t`` to it
         (strictly when ``nu1 != 0``).
 
+    Returns:
+      The bound as a float: ``math.inf`` for ``nu2 = 0`` (above) and wherever
+      the bound exceeds float64's range (e.g. ``nu1 = 1e308``); otherwise the
+      finite value, also where intermediate terms would over- or underflow
+      (a tiny positive ``nu2`` such as ``5e-324`` gives a large finite bound).
+
     Raises:
       ValueError: a hyperparameter outside the ranges above, or ``t < 0``.
       TypeError: a non-real hyperparameter, or ``t`` not an int (or ``None``).
     """
     n1, b1, n2, b2, gap = _check_qhadam(nu1, beta1, nu2, beta2)
     steps = _check_t(t, allow_none=True)
-    immediate = (1.0 - n1 * b1) ** 2 / (1.0 - n2 * b2)
+    immediate = _square(1.0 - n1 * b1) / (1.0 - n2 * b2)
     if steps is None:
         history = 1.0
     else:
         # 1 - (beta1**2 / beta2)**t, written so it is 0 at t = 0, increases with
         # t, and stays accurate when beta1**2 / beta2 is close to 1.
-        log_ratio = math.log1p(-gap / b2)
-        history = -math.expm1(min(steps, _T_CAP) * log_ratio)
-    if n1 == 0.0 or history == 0.0:
-        return math.sqrt(immediate)
-    if n2 == 0.0:
-        return math.inf
+        rest = gap / b2  # 1 - beta1**2 / beta2; 1 if beta1**2 / beta2 underflows
+        if rest < 1.0:
+            history = -math.expm1(min(steps, _T_CAP) * math.log1p(-rest))
+        else:
+            history = 1.0 if steps else 0.0
     weight = n1 * b1 * (1.0 - b1)
-    return math.sqrt(immediate + weight * weight * history / (n2 * (1.0 - b2) * gap))
+    denominator = n2 * (1.0 - b2) * gap
+    if n1 == 0.0 or history == 0.0:
+        bound = math.sqrt(immediate)
+    elif n2 == 0.0:
+        return math.inf
+    elif denominator > 0.0:
+        bound = math.sqrt(immediate + weight * weight * history / denominator)
+    else:
+        bound = math.inf  # the denominator underflowed: take the scaled route below
+    if math.isfinite(bound):
+        return bound
+    # Squares or the denominator out of float64's range: the same bound as a
+    # hypotenuse of square roots, inf only if the bound itself overflows.
+    first = abs(1.0 - n1 * b1) / math.sqrt(1.0 - n2 * b2)
+    if n1 == 0.0 or history == 0.0:
+        return first
+    second = abs(weight) * math.sqrt(history) / math.sqrt(n2) / math.sqrt(1.0 - b2)
+    second /= math.sqrt(gap)
+    try:
+        return math.hypot(first, second)
+    except OverflowError:
+        return math.inf
 
 
 def adam_update_bound(beta1: float, beta2: float, t: int | None = None) -> float:
@@ -250,12 +287,14 @@ def qhadam_maximizing_gradients(
     Raises:
       ValueError: as :func:`qhadam_update_bound`; also for ``nu2 = 0`` with
         ``nu1 != 0`` and ``t >= 1``, where the update is unbounded.
-      OverflowError: an entry overflows (use ``normalize=True``).
+        Also when an entry overflows float64 (use ``normalize=True``, which
+        never overflows).
     """
     n1, b1, n2, b2, _ = _check_qhadam(nu1, beta1, nu2, beta2)
     steps = _check_t(t, allow_none=False)
     assert steps is not None
     newest = (1.0 - n1 * b1) / (1.0 - n2 * b2)
+    log_past = -math.inf
     if n1 == 0.0 or steps == 0:
         past_scale = 0.0  # no history enters g~: any past values do, zeros are simplest
     elif n2 == 0.0:
@@ -265,18 +304,43 @@ def qhadam_maximizing_gradients(
             f"nu1={n1!r}, t={steps}"
         )
     else:
-        past_scale = n1 * (1.0 - b1) / (n2 * (1.0 - b2))
+        # log |nu1 (1 - beta1) / (nu2 (1 - beta2))|: finite even where the ratio is not.
+        log_past = math.log(abs(n1)) + math.log1p(-b1) - math.log(n2) - math.log1p(-b2)
+        denominator = n2 * (1.0 - b2)
+        past_scale = n1 * (1.0 - b1) / denominator if denominator else math.inf
+        if not (math.isfinite(past_scale) and past_scale):
+            # Out of float64's range: a sentinel (sign kept) sending the entries to log space.
+            past_scale = math.copysign(math.inf, n1)
     if past_scale == 0.0 and newest == 0.0:
         return [1.0]
-    log_q = math.log(b1 / b2)
+    log_q = math.log(b1) - math.log(b2)
     # Oldest first: x_j has lag t - j.
     if not normalize:
-        return [past_scale * (b1 / b2) ** (steps - j) for j in range(steps)] + [newest]
-    logs = [
-        math.log(abs(past_scale)) + (steps - j) * log_q if past_scale else -math.inf
-        for j in range(steps)
-    ]
-    logs.append(math.log(abs(newest)) if newest else -math.inf)
+        try:
+            xs = [past_scale * (b1 / b2) ** (steps - j) for j in range(steps)] + [newest]
+        except OverflowError:
+            xs = [math.inf]
+        if all(math.isfinite(x) for x in xs):
+            return xs
+        overflow = ValueError(
+            "the maximizing gradients for nu1, beta1, nu2, beta2 and t have an entry "
+            "that overflows float64 (pass normalize=True); "
+            f"received nu1={n1!r}, beta1={b1!r}, nu2={n2!r}, beta2={b2!r}, t={steps}"
+        )
+        if not math.isfinite(newest):
+            raise overflow
+        # Redo in log space: only an entry whose own magnitude overflows is an error.
+        sign = math.copysign(1.0, past_scale)
+        xs = []
+        for j in range(steps):
+            log_x = log_past + (steps - j) * log_q
+            if log_x > _LOG_MAX:
+                raise overflow
+            xs.append(sign * math.exp(log_x))
+        return [*xs, newest]
+    logs = [log_past + (steps - j) * log_q if past_scale else -math.inf for j in range(steps)]
+    # log |newest|, finite even where newest overflows.
+    logs.append(math.log(abs(1.0 - n1 * b1)) - math.log1p(-n2 * b2) if newest else -math.inf)
     top = max(logs)
     signs = [math.copysign(1.0, past_scale)] * steps + [math.copysign(1.0, newest)]
     return [s * math.exp(v - top) for s, v in zip(signs, logs, strict=True)]
@@ -303,8 +367,14 @@ def qhadam_bound_optimal_nu2(nu1: float, beta1: float, beta2: float) -> tuple[fl
     """
     n1, b1, _, b2, gap = _check_qhadam(nu1, beta1, 1.0, beta2)
     root_a = abs(1.0 - n1 * b1)
-    root_c = abs(n1) * b1 * (1.0 - b1) * math.sqrt(b2 / ((1.0 - b2) * gap))
-    nu2_star = min(1.0, root_c / ((root_a + root_c) * b2))
+    root_c = abs(n1) * b1 * (1.0 - b1) * (math.sqrt(b2 / gap) / math.sqrt(1.0 - b2))
+    if 0.0 < root_a + root_c < math.inf:
+        nu2_star = min(1.0, root_c / ((root_a + root_c) * b2))
+    else:  # root_c overflows (u* rounds to 1): u* = 1 / (1 + root_a / root_c)
+        nu2_star = min(1.0, 1.0 / ((1.0 + root_a / root_c) * b2))
+    if nu2_star == 0.0 and n1 != 0.0:
+        # u* > 0 underflowed; nu2 = 0 would make the bound inf, the least positive nu2 does not.
+        nu2_star = math.ulp(0.0)
     return nu2_star, qhadam_update_bound(n1, b1, nu2_star, b2)
 
 
@@ -324,7 +394,8 @@ def qhwma_variance_factor(nu: float, beta: float, t: int | None = None) -> float
 
     QHM's update direction :math:`(1-\nu)\nabla_t + \nu g_{t+1}` from a zero
     buffer is exactly this QHWMA of the gradients, so for iid gradient noise
-    its covariance is :math:`\rho_t \Sigma`.
+    its covariance is :math:`\rho_t \Sigma`. Where rho exceeds float64's range
+    (``|nu|`` near ``1e308``) this returns ``math.inf``.
 
     For :math:`\nu \in (0, 1]` rho decreases with increasing beta on
     ``(-1, 1)``; for :math:`\beta \in (0, 1)` it decreases with increasing
@@ -351,8 +422,10 @@ def qhwma_variance_factor(nu: float, beta: float, t: int | None = None) -> float
     else:
         history = -math.expm1(2 * min(steps, _T_CAP) * math.log(abs(b)))
     nb = n * b
-    # (1 - b)**2 / (1 - b**2) == (1 - b) / (1 + b); all terms are non-negative.
-    return (1.0 - nb) ** 2 + nb * nb * (1.0 - b) / (1.0 + b) * history
+    # (1 - b)**2 / (1 - b**2) == (1 - b) / (1 + b); all terms are non-negative
+    # (inf where rho itself overflows float64).
+    rho = _square(1.0 - nb)
+    return rho + nb * nb * (1.0 - b) / (1.0 + b) * history if history else rho
 
 
 def ewma_variance_factor(beta: float, t: int | None = None) -> float:

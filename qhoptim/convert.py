@@ -8,6 +8,12 @@ argument, the allowed range or condition and the value received, e.g.::
 
     ValueError: momentum must be in [0, 1); received momentum=1.2
 
+Arguments each in range whose result does not fit in float64 (a momentum that
+rounds to 1, a learning rate that overflows) are a :class:`ValueError` naming
+those arguments and why, e.g. ``k_p, k_i and k_d give a momentum that rounds
+to 1 in float64``; intermediate quantities are computed so that they neither
+overflow nor underflow where the result itself is representable.
+
 QHM (Ma & Yarats, 2019, "Quasi-hyperbolic momentum and Adam for deep
 learning", ICLR, Sec. 3) uses a *normalized* momentum buffer:
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
 from typing import Any, NamedTuple, cast
 
 from qhoptim import validation
@@ -141,11 +148,11 @@ def _interval(
     return x
 
 
-def _received(**values: float) -> str:
+def _received(**values: object) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in values.items())
 
 
-def _momentum_in_range(beta: float, how: str, **values: float) -> float:
+def _momentum_in_range(beta: float, how: str, **values: object) -> float:
     """The implied QHM momentum must satisfy QHM's ``0 <= momentum < 1``."""
     if not 0.0 <= beta < 1.0:
         raise ValueError(
@@ -165,6 +172,83 @@ def _qhm(lr: float, nu: float, momentum: float) -> QHMParams:
     return QHMParams(float(lr), float(nu), float(momentum))
 
 
+# ------------------------------------------------------ float64 range handling
+def _product(values: Iterable[float]) -> tuple[float, int]:
+    """``prod(values)`` as ``(mantissa, exponent)``, multiplied left to right.
+
+    Scaling by powers of two is exact, so wherever the plain product stays in
+    the normal range this rounds exactly as it does; elsewhere it neither
+    overflows nor underflows.
+    """
+    mant, exp = 1.0, 0
+    for x in values:
+        m, e = math.frexp(x)
+        mant, e2 = math.frexp(mant * m)
+        exp += e + e2
+    return mant, exp
+
+
+def _ratio(nums: Sequence[float], dens: Sequence[float] = ()) -> float:
+    """``prod(nums) / prod(dens)`` without spurious over- or underflow in between.
+
+    Equal, bit for bit, to the plain expression wherever its intermediate
+    products stay in float64's normal range; ``±inf`` if the true quotient
+    overflows, ``nan`` for ``0 / 0``.
+    """
+    n_mant, n_exp = _product(nums)
+    d_mant, d_exp = _product(dens)
+    if d_mant == 0.0:
+        return math.nan if n_mant == 0.0 else math.copysign(math.inf, n_mant)
+    try:
+        return math.ldexp(n_mant / d_mant, n_exp - d_exp)
+    except OverflowError:
+        return math.copysign(math.inf, n_mant / d_mant)
+
+
+def _to_float(x: Fraction) -> float:
+    """An exact value rounded to float64 (``±inf`` if it overflows)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+def _names(names: Sequence[str]) -> str:
+    """``"a"``, ``"a and b"``, ``"a, b and c"``."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _unrepresentable(what: str, value: float, /, **values: object) -> ValueError:
+    """Arguments in range whose result is not a float64: say which and why."""
+    why = "overflows float64" if math.isinf(value) else "is not representable in float64"
+    return ValueError(
+        f"{_names(list(values))} give {what} that {why} ({what.split()[-1]}={value:g}); "
+        f"received {_received(**values)}"
+    )
+
+
+def _rounds_to_one(how: str = "", /, **values: object) -> ValueError:
+    return ValueError(
+        f"{_names(list(values))} give a momentum that rounds to 1 in float64{how}; "
+        f"received {_received(**values)}"
+    )
+
+
+def _finish(lr: float, nu: float, momentum: float, /, **values: object) -> QHMParams:
+    """The QHM triple computed from the arguments ``values``, checked to be a float64 QHM.
+
+    The arguments were each checked already; what is left is a result that
+    overflows or a momentum that rounds to 1, reported against those arguments.
+    """
+    if momentum >= 1.0:
+        raise _rounds_to_one(**values)
+    if not math.isfinite(lr):
+        raise _unrepresentable("a QHM lr", lr, **values)
+    if not math.isfinite(nu):
+        raise _unrepresentable("a QHM nu", nu, **values)
+    return _qhm(lr, nu, momentum)
+
+
 # ------------------------------------------------------------------ SGD family
 def from_sgd(lr: float) -> QHMParams:
     r"""Plain SGD :math:`\theta_{t+1} = \theta_t - \alpha \nabla_t` as QHM (exact).
@@ -182,7 +266,8 @@ def from_sgd(lr: float) -> QHMParams:
 def _heavy_ball(lr: float, momentum: float, nu: float | None) -> QHMParams:
     lr = _checked(validation.check_lr, lr, "lr")
     momentum = _checked(validation.check_beta, momentum, "momentum")
-    return _qhm(lr / (1 - momentum), 1.0 if nu is None else momentum, momentum)
+    nu_ = 1.0 if nu is None else momentum
+    return _finish(lr / (1 - momentum), nu_, momentum, lr=lr, momentum=momentum)
 
 
 def from_momentum(lr: float, momentum: float) -> QHMParams:
@@ -270,15 +355,20 @@ def from_pid(k_p: float, k_i: float, k_d: float, *, beta: float | None = None) -
             "k_p and k_d must have opposite signs so that the QHM momentum "
             f"k_d / (k_d - k_p) is in [0, 1); received {_received(k_p=k_p, k_d=k_d)}"
         )
+    # Scaled by a power of two (exact): k_d - k_p cannot overflow or underflow.
+    scale = -math.frexp(max(abs(k_p), abs(k_d)))[1]
+    d, p = math.ldexp(k_d, scale), math.ldexp(k_p, scale)
+    if (k_p < 0.0) != (k_d < 0.0) and d / (d - p) >= 1.0:  # in (0, 1) before rounding
+        raise _rounds_to_one(k_p=k_p, k_i=k_i, k_d=k_d)
     momentum = _momentum_in_range(
-        k_d / (k_d - k_p), "k_d / (k_d - k_p) (k_p and k_d of opposite signs)", k_p=k_p, k_d=k_d
+        d / (d - p), "k_d / (k_d - k_p) (k_p and k_d of opposite signs)", k_p=k_p, k_d=k_d
     )
     if beta is not None and not _close(beta, momentum):
         raise ValueError(
             f"beta (the D-term filter discount) must equal k_d / (k_d - k_p) = {momentum:.12g} "
             f"for QHM to recover the controller; received beta={beta!r}"
         )
-    return _qhm(k_i, k_p * k_p / (k_d * k_i), momentum)
+    return _finish(k_i, _ratio([k_p, k_p], [k_d, k_i]), momentum, k_p=k_p, k_i=k_i, k_d=k_d)
 
 
 def from_an_pid(r: float, k_d: float, beta: float) -> QHMParams:
@@ -311,7 +401,8 @@ def from_an_pid(r: float, k_d: float, beta: float) -> QHMParams:
     r = _interval(r, "r", 0.0, math.inf, low_closed=False)
     k_d = _real(k_d, "k_d")
     beta = _interval(beta, "beta", 0.0, 1.0, low_closed=False)
-    return _qhm(r / (1 - beta), 1 + k_d * (1 - beta) ** 2 / (r * beta), beta)
+    nu = 1 + _ratio([k_d, (1 - beta) ** 2], [r, beta])
+    return _finish(r / (1 - beta), nu, beta, r=r, k_d=k_d, beta=beta)
 
 
 # ---------------------------------------------------------------- SNV, RM, TM
@@ -350,7 +441,16 @@ def from_synthesized_nesterov(alpha: float, beta1: float, beta2: float) -> QHMPa
                 f"received {_received(beta1=beta1, beta2=beta2)}"
             )
         return from_sgd(alpha)
-    return _qhm(alpha / (1 - beta1), 1 - (1 - beta1) * beta2 / beta1, beta1)
+    return _snv(alpha, beta1, beta2, alpha=alpha, beta1=beta1, beta2=beta2)
+
+
+def _snv(alpha: float, beta1: float, beta2: float, /, **values: object) -> QHMParams:
+    """SNV's QHM from its (unchecked) ``alpha, beta1, beta2``; errors name ``values``."""
+    if beta1 >= 1.0:
+        raise _rounds_to_one(**values)
+    if beta1 == 0.0:  # beta2 == 0 too: gradient descent with step alpha
+        return _finish(alpha, 0.0, 0.0, **values)
+    return _finish(alpha / (1 - beta1), 1 - _ratio([1 - beta1, beta2], [beta1]), beta1, **values)
 
 
 def from_robust_momentum(l: float, kappa: float, rho: float | None = None) -> QHMParams:
@@ -392,11 +492,17 @@ def from_robust_momentum(l: float, kappa: float, rho: float | None = None) -> QH
     l = _interval(l, "l", 0.0, math.inf, low_closed=False)
     kappa = _interval(kappa, "kappa", 1.0, math.inf, low_closed=False)
     lo, hi = 1 - 1 / math.sqrt(kappa), 1 - 1 / kappa
-    rho = lo if rho is None else _interval(rho, "rho", lo, hi, high_closed=True)
-    alpha = kappa * (1 - rho) ** 2 * (1 + rho) / l
-    beta = kappa * rho**3 / (kappa - 1)
-    gamma = rho**3 / ((kappa - 1) * (1 - rho) ** 2 * (1 + rho))
-    return from_synthesized_nesterov(alpha, beta, gamma)
+    values: dict[str, object] = {"l": l, "kappa": kappa}
+    if rho is None:
+        rho = lo
+    else:
+        rho = values["rho"] = _interval(rho, "rho", lo, hi, high_closed=True)
+    if rho >= 1.0:
+        raise _rounds_to_one(" (the rate rho = 1 - 1/sqrt(kappa) rounds to 1)", **values)
+    alpha = _ratio([kappa, (1 - rho) ** 2, 1 + rho], [l])
+    beta = _ratio([kappa, rho**3], [kappa - 1])
+    gamma = _ratio([rho**3], [kappa - 1, (1 - rho) ** 2, 1 + rho])
+    return _snv(alpha, beta, gamma, **values)
 
 
 def from_triple_momentum(l: float, kappa: float) -> QHMParams:
@@ -433,10 +539,12 @@ def from_triple_momentum(l: float, kappa: float) -> QHMParams:
     l = _interval(l, "l", 0.0, math.inf, low_closed=False)
     kappa = _interval(kappa, "kappa", 1.0, math.inf)
     rho = 1 - 1 / math.sqrt(kappa)
+    if rho >= 1.0:
+        raise _rounds_to_one(" (the rate rho = 1 - 1/sqrt(kappa) rounds to 1)", l=l, kappa=kappa)
     alpha = (1 + rho) / l
     beta = rho**2 / (2 - rho)
     gamma = rho**2 / ((1 + rho) * (2 - rho))
-    return from_synthesized_nesterov(alpha, beta, gamma)
+    return _snv(alpha, beta, gamma, l=l, kappa=kappa)
 
 
 # ---------------------------------------------------------------------- AccSGD
@@ -475,10 +583,14 @@ def from_accsgd(delta: float, kappa: float, xi: float, eps: float = 0.7) -> QHMP
     kappa = _interval(kappa, "kappa", 1.0, math.inf, low_closed=False)
     xi = _interval(xi, "xi", 0.0, math.sqrt(kappa), low_closed=False, high_closed=True)
     eps = _interval(eps, "eps", 0.0, 1.0, low_closed=False)
-    return _qhm(
+    return _finish(
         delta * eps * (1 + xi) / (1 + eps),
         (eps * xi - 1) / (eps * (1 + xi)),
         (kappa - eps * eps * xi) / (kappa + eps * xi),
+        delta=delta,
+        kappa=kappa,
+        xi=xi,
+        eps=eps,
     )
 
 
@@ -497,9 +609,14 @@ def _two_state(
         )
     beta = _momentum_in_range(h + q - 1, "h + q - 1", h=h, q=q)
     # theta_t's weight on grad_{t-n} is -alpha + alpha*nu*beta**n = A + B*beta**n.
-    lead, tail = m * l + (1 - h) * z, (1 - q) * z - m * l
+    lead, tail = _dot(m, l, 1 - h, z), _dot(1 - q, z, -m, l)
     alpha = -lead / (1 - beta)
     anb = tail / (1 - beta)
+    values = {"h": h, "k": k, "l": l, "m": m, "q": q, "z": z}
+    if not math.isfinite(alpha):
+        raise _unrepresentable("a QHM lr", alpha, **values)
+    if not math.isfinite(anb):
+        raise _unrepresentable("a QHM lr * nu * momentum", anb, **values)
     if alpha < 0.0:
         raise ValueError(
             "the QHM lr -(m*l + (1 - h)*z) / (2 - h - q) must be >= 0; "
@@ -510,7 +627,18 @@ def _two_state(
             "(1 - q)*z - m*l must be 0 when the QHM lr or momentum is 0 (no QHM has that "
             f"gradient response); received {_received(h=h, l=l, m=m, q=q, z=z)}"
         )
-    return alpha, (0.0 if alpha == 0.0 or beta == 0.0 else anb / (alpha * beta)), beta, anb
+    nu = 0.0 if alpha == 0.0 or beta == 0.0 else _ratio([anb], [alpha, beta])
+    if not math.isfinite(nu):
+        raise _unrepresentable("a QHM nu", nu, **values)
+    return alpha, nu, beta, anb
+
+
+def _dot(a: float, b: float, c: float, d: float) -> float:
+    """``a * b + c * d``; exact then rounded where the plain sum is not finite."""
+    plain = a * b + c * d
+    if math.isfinite(plain):
+        return plain
+    return _to_float(Fraction(a) * Fraction(b) + Fraction(c) * Fraction(d))
 
 
 def from_two_state_optimizer(
@@ -573,7 +701,11 @@ def two_state_initial_buffer(
     _, _, _, anb = _two_state(h, k, l, m, q, z)
     if anb == 0.0:
         return TwoStateInitialBuffer(0.0, 0.0)
-    return TwoStateInitialBuffer(-float(m) / anb, (1 - float(q)) / anb)
+    a_scale, theta_scale = -float(m) / anb, (1 - float(q)) / anb
+    for what, value in (("an a_scale", a_scale), ("a theta_scale", theta_scale)):
+        if not math.isfinite(value):
+            raise _unrepresentable(what, value, h=h, k=k, l=l, m=m, q=q, z=z)
+    return TwoStateInitialBuffer(a_scale, theta_scale)
 
 
 # ----------------------------------------------------------------------- AggMo
@@ -633,7 +765,10 @@ def _group_weight(rates: list[float], k: int) -> float:
     # n equal rates: rate * (n / k), exactly the rate when n = k (AggMo with one discount).
     if all(r == rates[0] for r in rates):
         return rates[0] * (len(rates) / k)
-    return math.fsum(rates) / k
+    try:
+        return math.fsum(rates) / k
+    except OverflowError:  # the sum overflows, the mean (k >= len(rates)) cannot
+        return _to_float(sum(map(Fraction, rates), Fraction(0)) / k)
 
 
 def from_aggmo(lr: float | Sequence[float], betas: Sequence[float]) -> QHMParams:
@@ -709,12 +844,19 @@ def from_aggmo(lr: float | Sequence[float], betas: Sequence[float]) -> QHMParams
     beta = moving[0]
     slow = weights[beta] / (1 - beta)
     alpha = c0 + slow
+    nu = slow / alpha if alpha > 0.0 else math.nan
+    if not (math.isfinite(alpha) and math.isfinite(nu)):  # redo exactly, then round
+        exact_slow = Fraction(weights[beta]) / Fraction(1 - beta)
+        exact_alpha = Fraction(c0) + exact_slow
+        alpha = _to_float(exact_alpha)
+        if exact_alpha > 0:
+            nu = _to_float(exact_slow / exact_alpha)
     if not alpha > 0.0:
         raise ValueError(
             "the QHM lr sum_i lr[i] / (len(betas) * (1 - betas[i])) must be > 0; "
             f"received lr={lr!r}, betas={betas!r} (lr={alpha:g})"
         )
-    return _qhm(alpha, slow / alpha, beta)
+    return _finish(alpha, nu, beta, lr=lr, betas=betas)
 
 
 def aggmo_effective_lr(lr: float | Sequence[float], betas: Sequence[float]) -> float:
@@ -746,7 +888,15 @@ def aggmo_effective_lr(lr: float | Sequence[float], betas: Sequence[float]) -> f
     discounts); the result must be ``>= 0``.
     """
     pairs = _aggmo_args(lr, betas)
-    alpha = math.fsum(rate / (1 - b) for rate, b in pairs) / len(pairs)
+    try:
+        alpha = math.fsum(rate / (1 - b) for rate, b in pairs) / len(pairs)
+    except (OverflowError, ValueError):  # a term or the sum overflows: redo exactly
+        alpha = math.nan
+    if not math.isfinite(alpha):
+        exact = sum((Fraction(rate) / Fraction(1 - b) for rate, b in pairs), Fraction(0))
+        alpha = _to_float(exact / len(pairs))
+    if math.isinf(alpha) and alpha > 0.0:
+        raise _unrepresentable("an effective lr", alpha, lr=lr, betas=betas)
     if alpha < 0.0:
         raise ValueError(
             "the effective step size sum_i lr[i] / (len(betas) * (1 - betas[i])) must be >= 0; "

@@ -9,12 +9,18 @@ zero buffer is exactly the QHWMA of the gradients.
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qhoptim import rules
 from qhoptim.analysis import (
@@ -260,7 +266,7 @@ def test_degenerate_zero_bound():
 
 def test_maximizing_gradients_normalize_avoids_overflow():
     # beta1 > beta2: the paper's scaling grows like (beta1/beta2)^t
-    with pytest.raises(OverflowError):
+    with pytest.raises(ValueError, match=r"overflows float64 \(pass normalize=True\)"):
         qhadam_maximizing_gradients(0.9, 0.9, 0.5, 0.85, 20_000)
     x = np.array(qhadam_maximizing_gradients(0.9, 0.9, 0.5, 0.85, 20_000, normalize=True))
     assert np.max(np.abs(x)) == 1.0
@@ -577,3 +583,97 @@ def test_wmt_setting_gain_comes_mostly_from_beta1():
     nu1_alone = qhadam_update_bound(0.8, 0.95, 1.0, 0.98)
     assert qh < adam_beta1 < baseline < nu1_alone
     assert baseline - adam_beta1 > adam_beta1 - qh  # most of the gain: beta1
+
+
+# ------------------------------------------------- float64 range (extreme inputs)
+def test_update_bound_tiny_nu2_is_finite_not_zero_division():
+    # n2 * (1 - b2) * gap underflows to 0, the bound (~1/sqrt(nu2)) does not.
+    b = qhadam_update_bound(0.7, 0.9, 5e-324, 0.999)
+    assert math.isfinite(b) and b > qhadam_update_bound(0.7, 0.9, 1e-300, 0.999)
+    # The history term dominates and scales as 1/sqrt(nu2).
+    scaled = qhadam_update_bound(0.7, 0.9, 1e-300, 0.999) * math.sqrt(1e-300 / 5e-324)
+    assert b == pytest.approx(scaled, rel=1e-6)
+    assert qhadam_update_bound(0.7, 0.9, 0.0, 0.999) == math.inf  # the docstring's limit
+
+
+def test_update_bound_overflow_is_inf_and_representable_values_are_returned():
+    assert qhadam_update_bound(1e308, 0.5, 1.0, 0.999, 0) == math.inf
+    assert qhadam_update_bound(1e308, 0.9, 1.0, 0.999) == math.inf
+    # (1 - nu1 beta1)**2 overflowed (OverflowError) where the bound is representable.
+    assert qhadam_update_bound(1e308, 0.5, 0.9, 0.5, 0) == pytest.approx(6.742e307, rel=1e-3)
+    # (1 - nu1 beta1)**2 overflows but the bound itself (~1.2e308) does not.
+    b = qhadam_update_bound(1e308, 0.5, 0.9, 0.5)
+    assert math.isfinite(b)
+    small = qhadam_update_bound(1e300, 0.5, 0.9, 0.5)
+    assert b == pytest.approx(small * 1e8, rel=1e-12)
+
+
+def test_optimal_nu2_and_variance_at_extremes():
+    nu2, bound = qhadam_bound_optimal_nu2(0.999999, 5e-324, 0.999999)
+    assert 0.0 < nu2 <= 1.0 and math.isfinite(bound)
+    nu2, bound = qhadam_bound_optimal_nu2(1e308, 0.3, 0.9)
+    assert 0.0 < nu2 <= 1.0 and bound >= 1e307
+    assert qhwma_variance_factor(-1e308, 0.3, 1) == math.inf
+    assert qhwma_variance_factor(-1e308, 0.999999, 0) == math.inf  # not inf * 0 = nan
+
+
+def test_maximizing_gradients_extremes_raise_value_error_or_attain():
+    with pytest.raises(ValueError, match="nu1"):
+        qhadam_maximizing_gradients(1e308, 0.9, 1 - 2**-53, 1 - 2**-53, 0)
+    assert len(qhadam_maximizing_gradients(1e308, 0.9, 1 - 2**-53, 1 - 2**-53, 0, normalize=True))
+    # n2 * (1 - b2) underflows: the entries are huge but finite in log space.
+    x = qhadam_maximizing_gradients(-1e-170, 1e-08, 5e-324, 0.9, 3, normalize=True)
+    assert all(math.isfinite(v) for v in x) and max(map(abs, x)) == 1.0
+
+
+_EXTREMES = [0.0, -0.0, 5e-324, -5e-324, 1e-170, -1e-170, 0.5, 0.9, 1 - 2**-53, 1.0]
+_EXTREMES += [2.0, -1.0, 1e40, -1e40, 1e308, -1e308]
+_reals = st.one_of(st.sampled_from(_EXTREMES), st.floats(allow_nan=False, allow_infinity=False))
+_ts = st.one_of(st.none(), st.integers(0, 50), st.sampled_from([10**6, 2**1100]))
+
+
+ANALYSIS: list[tuple[Callable[..., Any], list[str]]] = [
+    (qhadam_update_bound, ["nu1", "beta1", "nu2", "beta2", "t"]),
+    (adam_update_bound, ["beta1", "beta2", "t"]),
+    (kingma_ba_claimed_bound, ["beta1", "beta2"]),
+    (qhadam_bound_optimal_nu2, ["nu1", "beta1", "beta2"]),
+    (qhadam_maximizing_gradients, ["nu1", "beta1", "nu2", "beta2", "t"]),
+    (qhwma_variance_factor, ["nu", "beta", "t"]),
+    (ewma_variance_factor, ["beta", "t"]),
+]
+
+
+def test_property_table_covers_every_public_function():
+    from qhoptim import analysis
+
+    assert sorted(f.__name__ for f, _ in ANALYSIS) == sorted(analysis.__all__)
+    for fn, names in ANALYSIS:
+        assert list(inspect.signature(fn).parameters)[: len(names)] == names
+
+
+def _names_an_argument(message: str, names: list[str]) -> bool:
+    return any(re.search(rf"\b{n}\b", message) for n in names)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), index=st.integers(0, len(ANALYSIS) - 1), normalize=st.booleans())
+def test_property_analysis_returns_a_bound_or_names_an_argument(
+    data: Any, index: int, normalize: bool
+) -> None:
+    fn, names = ANALYSIS[index]
+    args = [data.draw(_ts if n == "t" else _reals, label=n) for n in names]
+    kwargs: dict[str, Any] = {}
+    if fn is qhadam_maximizing_gradients:
+        args[-1] = data.draw(st.integers(0, 30), label="t")
+        kwargs["normalize"] = normalize
+    try:
+        result = fn(*args, **kwargs)
+    except ValueError as e:
+        assert _names_an_argument(str(e), names), str(e)
+        return
+    if fn is qhadam_maximizing_gradients:
+        assert result and all(math.isfinite(v) for v in result)
+        return
+    values = list(result) if isinstance(result, tuple) else [result]
+    for v in values:
+        assert type(v) is float and v >= 0.0  # a float >= 0 or inf, never nan

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qhoptim import convert
+from qhoptim import convert, validation
 from qhoptim.convert import QHAdamParams, QHMParams
 from qhoptim.reference import QHM, QHAdam
 
@@ -714,3 +716,130 @@ def test_round_trip_qhm_extended_aggmo_qhm(alpha: float, nu: float, beta: float)
     rates = [2 * alpha * (1 - nu), 2 * alpha * nu * (1 - beta)]
     p = convert.from_aggmo(rates, [0.0, beta])
     assert p == approx(QHMParams(alpha, nu, beta), rel=1e-9, abs=1e-9)
+
+
+# ------------------------------------------------- float64 range (extreme inputs)
+def test_pid_tiny_gains_convert_without_zero_division() -> None:
+    # k_p**2 and k_d * k_i underflow to 0; the ratio is -1.
+    assert convert.from_pid(1e-170, 1e-170, -1e-170) == QHMParams(1e-170, -1.0, 0.5)
+    # k_d - k_p overflows; k_d / (k_d - k_p) is 0.5.
+    assert convert.from_pid(1e308, 1.0, -1e308).momentum == 0.5
+
+
+def test_pid_momentum_rounding_to_one_names_the_gains() -> None:
+    with pytest.raises(
+        ValueError, match=r"^k_p, k_i and k_d give a momentum that rounds to 1 in float64; "
+    ):
+        convert.from_pid(-1e-20, 1.0, 1.0)
+
+
+def test_an_pid_tiny_r_converts_without_zero_division() -> None:
+    assert convert.from_an_pid(5e-324, 0, 0.5) == QHMParams(1e-323, 1.0, 0.5)
+    with pytest.raises(ValueError, match=r"^r, k_d and beta give a QHM nu that overflows"):
+        convert.from_an_pid(5e-324, 1.0, 0.5)
+
+
+@pytest.mark.parametrize(
+    "fn", [convert.from_robust_momentum, convert.from_triple_momentum], ids=lambda f: f.__name__
+)
+def test_huge_kappa_names_l_and_kappa(fn: Callable[..., Any]) -> None:
+    with pytest.raises(ValueError, match=r"^l and kappa give a momentum that rounds to 1"):
+        fn(1, 1e40)
+
+
+@pytest.mark.parametrize(
+    "fn", [convert.from_robust_momentum, convert.from_triple_momentum], ids=lambda f: f.__name__
+)
+def test_tiny_l_names_l_and_kappa_not_alpha(fn: Callable[..., Any]) -> None:
+    with pytest.raises(ValueError, match=r"^l and kappa give a QHM lr that overflows float64"):
+        fn(l=5e-324, kappa=10)
+
+
+def test_overflowing_results_name_the_arguments() -> None:
+    with pytest.raises(ValueError, match=r"^lr and momentum give a QHM lr that overflows"):
+        convert.from_momentum(1e308, 0.999)
+    with pytest.raises(ValueError, match=r"^alpha, beta1 and beta2 give a QHM nu that overflows"):
+        convert.from_synthesized_nesterov(1e-8, 5e-324, 2.0)
+    with pytest.raises(ValueError, match=r"^delta, kappa, xi and eps give a momentum that rounds"):
+        convert.from_accsgd(1e-8, 1e40, 0.9, 1e-170)
+    with pytest.raises(ValueError, match=r"^lr and betas give a QHM lr that overflows"):
+        convert.from_aggmo(1e308, [0.999999])
+    with pytest.raises(ValueError, match=r"^lr and betas give an effective lr that overflows"):
+        convert.aggmo_effective_lr(1e308, [1e-8, 0.999999])
+    tso = {"h": 1.0, "k": 1 - 2**-53, "l": 1 - 2**-53, "m": -5e-324, "q": 0.9, "z": -0.0}
+    with pytest.raises(ValueError, match=r"^h, k, l, m, q and z give a theta_scale that overflows"):
+        convert.two_state_initial_buffer(**tso)
+
+
+def test_two_state_underflowing_lr_times_momentum_is_no_zero_division() -> None:
+    # alpha * beta underflowed to 0 in nu = anb / (alpha * beta).
+    tso = {"h": 1e-08, "k": 0.3, "l": 0.3, "m": 5e-324, "q": 1 - 2**-53, "z": -5e-324}
+    p = convert.from_two_state_optimizer(**tso)
+    assert p.lr == 5e-324 and p.momentum == approx(1e-8)
+
+
+def test_aggmo_sums_that_overflow_in_between() -> None:
+    # fsum raised OverflowError ("intermediate overflow") on these.
+    assert convert.aggmo_effective_lr(1e308, [-0.0, 0.0, 0.5]) == approx(1.3333333333333333e308)
+    assert convert.from_aggmo([1e308, 1e308], [0.0, 0.0]) == QHMParams(1e308, 0.0, 0.0)
+    # lr / (1 - beta) terms of opposite signs, each inf: the exact sum is finite.
+    assert convert.aggmo_effective_lr([1e308, -1e308], [0.999, 0.999]) == 0.0
+
+
+_EXTREMES = [0.0, -0.0, 5e-324, -5e-324, 1e-170, -1e-170, 0.5, 0.9, 1 - 2**-53, 1.0]
+_EXTREMES += [2.0, -1.0, 1e40, -1e40, 1e308, -1e308]
+_reals = st.one_of(st.sampled_from(_EXTREMES), st.floats(allow_nan=False, allow_infinity=False))
+_rate_lists = st.lists(_reals, min_size=1, max_size=4)
+_SEQUENCE_ARGS = {"betas", "lr"}
+
+
+def _public_conversions() -> list[str]:
+    return [n for n in convert.__all__ if n[0].islower()]
+
+
+def test_property_covers_every_public_conversion() -> None:
+    # The property below draws every argument from the signature: nothing is skipped.
+    assert len(_public_conversions()) == 16
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.data(), name=st.sampled_from(_public_conversions()))
+def test_property_conversion_returns_valid_params_or_names_an_argument(
+    data: Any, name: str
+) -> None:
+    fn = getattr(convert, name)
+    params = inspect.signature(fn).parameters
+    kwargs: dict[str, Any] = {}
+    for p in params.values():
+        if p.default is not inspect.Parameter.empty and not data.draw(st.booleans(), label=p.name):
+            continue
+        if name in ("from_adam", "from_nadam") and p.name == "betas":
+            kwargs[p.name] = (data.draw(_reals), data.draw(_reals))
+        elif "aggmo" in name and p.name == "betas":
+            kwargs[p.name] = data.draw(_rate_lists, label=p.name)
+        elif "aggmo" in name and p.name == "lr":
+            kwargs[p.name] = data.draw(st.one_of(_reals, _rate_lists), label=p.name)
+        else:
+            kwargs[p.name] = data.draw(_reals, label=p.name)
+    try:
+        result = fn(**kwargs)
+    except ValueError as e:
+        assert any(re.search(rf"\b{n}\b", str(e)) for n in params), str(e)
+        return
+    if isinstance(result, QHMParams):
+        assert all(type(v) is float and math.isfinite(v) for v in result)
+        assert result.lr >= 0 and 0 <= result.momentum < 1
+        validation.check_qhm(**result.as_kwargs())
+    elif isinstance(result, QHAdamParams):
+        validation.check_qhadam(
+            lr=result.lr,
+            beta1=result.betas[0],
+            beta2=result.betas[1],
+            nu1=result.nus[0],
+            nu2=result.nus[1],
+            eps=result.eps,
+        )
+    elif isinstance(result, convert.TwoStateInitialBuffer):
+        assert all(math.isfinite(v) for v in result)
+    else:  # aggmo_effective_lr
+        assert type(result) is float and 0 <= result < math.inf
