@@ -158,9 +158,37 @@ def _nonzero(c: Coefficient) -> bool:
     return not _on_host(c) or c != 0
 
 
+# The largest finite value of each floating dtype, for _fits.
+_MAX = {
+    dtype: torch.finfo(dtype).max
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+
+
+def _fits(c: Coefficient, like: Tensor, *, opmath: bool = False) -> bool:
+    """Whether ``c`` can go to a fused scalar overload for tensors like ``like``.
+
+    A Python number is converted there with an overflow check -- to the
+    tensors' dtype for ``alpha=`` (``_foreach_add``), to float32 or float64 for
+    ``value=`` (``opmath``: ``_foreach_addcmul``, ``_foreach_addcdiv``) -- and a
+    finite value beyond that type's range, such as ``lr * nu`` for ``lr=1e308``
+    or ``weight_decay=1e5`` on float16, raises ("value cannot be converted to
+    type float without overflow") halfway through a step. Such a coefficient is
+    multiplied in instead (``_foreach_mul``, which rounds it as IEEE arithmetic
+    does, to inf), so the step completes with the arithmetic's inf or NaN.
+    Device coefficients and non-finite numbers always fit.
+    """
+    if not _on_host(c) or not math.isfinite(c):
+        return True
+    dtype = like.dtype
+    if opmath and dtype != torch.float64:
+        dtype = torch.float32
+    return bool(abs(c) <= _MAX.get(dtype, math.inf))
+
+
 def _add_scaled_(ys: list[Tensor], xs: list[Tensor], c: Coefficient) -> None:
     """``ys += c * xs``."""
-    if _on_host(c):
+    if _on_host(c) and _fits(c, ys[0]):
         torch._foreach_add_(ys, xs, alpha=c)
     else:
         torch._foreach_add_(ys, torch._foreach_mul(xs, c))
@@ -168,7 +196,7 @@ def _add_scaled_(ys: list[Tensor], xs: list[Tensor], c: Coefficient) -> None:
 
 def _plus_scaled(ys: list[Tensor], xs: list[Tensor], c: Coefficient) -> list[Tensor]:
     """``ys + c * xs`` (new tensors)."""
-    if _on_host(c):
+    if _on_host(c) and _fits(c, ys[0]):
         return cast(list[Tensor], torch._foreach_add(ys, xs, alpha=c))
     out = cast(list[Tensor], torch._foreach_mul(xs, c))
     torch._foreach_add_(out, ys)
@@ -200,7 +228,7 @@ def _add_grad_sq_(
     """``ys += c * |grad|**2``; ``grad_sqs`` holds ``|grad|**2`` of complex grads."""
     if grad_sqs is not None:
         _add_scaled_(ys, grad_sqs, c)
-    elif _on_host(c):
+    elif _on_host(c) and _fits(c, ys[0], opmath=True):
         torch._foreach_addcmul_(ys, grads, grads, c)
     else:
         torch._foreach_add_(ys, _grad_sq(grads, None, c))
@@ -212,7 +240,7 @@ def _plus_grad_sq(
     """``ys + c * |grad|**2`` (new tensors); ``grad_sqs`` holds ``|grad|**2`` of complex grads."""
     if grad_sqs is not None:
         return _plus_scaled(ys, grad_sqs, c)
-    if _on_host(c):
+    if _on_host(c) and _fits(c, ys[0], opmath=True):
         return cast(list[Tensor], torch._foreach_addcmul(ys, grads, grads, c))
     out = _grad_sq(grads, None, c)
     torch._foreach_add_(out, ys)
@@ -221,7 +249,7 @@ def _plus_grad_sq(
 
 def _addcdiv_(ys: list[Tensor], xs: list[Tensor], den: list[Tensor], c: Coefficient) -> None:
     """``ys += c * xs / den``."""
-    if _on_host(c):
+    if _on_host(c) and _fits(c, ys[0], opmath=True):
         torch._foreach_addcdiv_(ys, xs, den, c)
         return
     out = torch._foreach_mul(xs, c)
@@ -250,9 +278,9 @@ def decay_grads(
         if hp.decoupled_weight_decay:
             torch._foreach_mul_(params, rules.decoupled_decay_factor(hp.lr, hp.weight_decay))
         elif hp.maximize:  # reuse the negated copy
-            torch._foreach_add_(grads, params, alpha=hp.weight_decay)
+            _add_scaled_(grads, params, hp.weight_decay)
         else:
-            grads = cast(list[Tensor], torch._foreach_add(grads, params, alpha=hp.weight_decay))
+            grads = _plus_scaled(grads, params, hp.weight_decay)
     return grads
 
 

@@ -27,6 +27,7 @@ from qhoptim.torch._optimizer import (
     on_device_kernels,
     params_doc,
     scalar_lr,
+    unalias_grads,
     value_of,
 )
 
@@ -561,6 +562,8 @@ def qhadam(
             "qhadam(amsgrad=True) needs max_exp_avg_sqs, one tensor per parameter "
             "(zeros before the first step)"
         )
+    # A gradient that shares storage with its parameter is read before it is written.
+    grads = unalias_grads(params, grads)
     hp = _kernels.QHAdamHyperparameters(
         scalar_lr(lr),
         beta1,

@@ -27,6 +27,7 @@ from qhoptim.torch._optimizer import (
     params_doc,
     required,
     scalar_lr,
+    unalias_grads,
 )
 
 __all__ = ["QHM", "qhm"]
@@ -287,6 +288,8 @@ def qhm(
     ``fused=True`` takes the fused kernels (``grad_scale`` and ``found_inf``
     as ``torch.amp.GradScaler`` sets them on the optimizer).
     """
+    # A gradient that shares storage with its parameter is read before it is written.
+    grads = unalias_grads(params, grads)
     hp = _kernels.QHMHyperparameters(
         scalar_lr(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize
     )
