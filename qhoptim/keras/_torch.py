@@ -14,6 +14,7 @@ import torch
 
 from qhoptim import validation
 from qhoptim.torch import _fused, _kernels
+from qhoptim.torch._optimizer import unalias_grads
 
 
 def _fused_here(params: list[Any]) -> bool:
@@ -94,6 +95,11 @@ class TorchStep:
                     maximize=False,
                 )
                 fused = _fused_here(params)
+                if not fused:
+                    # A gradient sharing its variable's storage is read before
+                    # the multi-tensor passes write it (the fused kernel copies
+                    # such a gradient itself).
+                    param_grads = unalias_grads(params, param_grads)
                 if self._RULE == "qhm":
                     (buffers,) = zip(*slots, strict=True)
                     if fused:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from qhoptim import rules
 from qhoptim.torch import _kernels
-from qhoptim.torch._optimizer import group_by_device_and_dtype
+from qhoptim.torch._optimizer import group_by_device_and_dtype, unalias_grads
 
 __all__ = [
     "check_fused",
@@ -165,18 +165,34 @@ def _decay(hp: Any, lr: float) -> tuple[float, float]:
 
 
 class _Contiguous:
-    """Contiguous stand-ins for strided tensors, written back on exit."""
+    """Contiguous stand-ins for strided tensors, written back on exit, except for
+    the gradients (the second list), which the kernels only read.
 
-    def __init__(self, *lists: list[Tensor]) -> None:
+    Writing a gradient's copy back would be wrong, not only slow, when the
+    gradient is a strided view of its parameter (``p.grad = p.detach().t()``
+    for a square ``p``): the write-back would undo the step.
+    """
+
+    def __init__(self, params: list[Tensor], grads: list[Tensor], *state: list[Tensor]) -> None:
         self.pairs: list[tuple[Tensor, Tensor]] = []
-        self.lists = [[self._contiguous(t) for t in ts] for ts in lists]
+        self.lists = [
+            self._contiguous(params),
+            [t.contiguous() for t in grads],
+            *(self._contiguous(ts) for ts in state),
+        ]
 
-    def _contiguous(self, t: Tensor) -> Tensor:
-        if t.is_contiguous():
-            return t
-        c = t.contiguous()
-        self.pairs.append((t, c))
-        return c
+    def _contiguous(self, ts: list[Tensor]) -> list[Tensor]:
+        # The common case, every tensor contiguous, in one pass without copies:
+        # the step's host cost is per tensor, and this runs for every list.
+        if all([t.is_contiguous() for t in ts]):
+            return ts
+        out = []
+        for t in ts:
+            c = t.contiguous()
+            if c is not t:
+                self.pairs.append((t, c))
+            out.append(c)
+        return out
 
     def __enter__(self) -> list[list[Tensor]]:
         return self.lists
@@ -193,6 +209,17 @@ def _local(t: Tensor) -> Tensor:
     return t if to_local is None else to_local()
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _locals(ts: list[Tensor]) -> list[Tensor]:
+    """:func:`_local` of each; the list itself when it holds plain tensors only
+    (a type check per tensor, cheaper than looking up ``to_local`` on each)."""
+    if all([type(t) in _PLAIN for t in ts]):
+        return ts
+    return [_local(t) for t in ts]
+
+
 def _groups(tensorlists: list[list[Tensor]]) -> list[tuple[torch.device, list[list[Tensor]]]]:
     return [(device, lists) for device, (*lists, _) in _groups_with_indices(tensorlists)]
 
@@ -202,7 +229,7 @@ def _groups_with_indices(
 ) -> list[tuple[torch.device, list[Any]]]:
     """The lists by device and dtype (DTensors as their local shards), each group's
     positions in the lists last."""
-    tensorlists = [[_local(t) for t in ts] for ts in tensorlists]
+    tensorlists = [_locals(ts) for ts in tensorlists]
     grouped = group_by_device_and_dtype(tensorlists, with_indices=True)
     return [
         (cast(torch.device, device), [*(cast(list[Tensor], ts) for ts in lists), indices])
@@ -224,6 +251,9 @@ def fused_qhm(
     for device, lists in _groups([params, grads, momentum_buffers]):
         with _Contiguous(*lists) as (ps, gs, bufs):
             if device.type == "cuda":
+                # The C++ kernel copies an aliased gradient itself; here it is done
+                # before the launch.
+                gs = unalias_grads(ps, gs)
                 _triton().qhm_(ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf)
                 continue
             if _skip(found_inf):
@@ -268,6 +298,7 @@ def fused_qhadam(
     for device, (*lists, steps) in _groups([*tensorlists, state_steps]):
         with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
             if device.type == "cuda":
+                gs = unalias_grads(ps, gs)
                 _triton().qhadam_(
                     ps, gs, ms, ss, steps, hp, grad_scale=grad_scale, found_inf=found_inf
                 )
@@ -275,7 +306,9 @@ def fused_qhadam(
             if _skip(found_inf):
                 continue
             torch._foreach_add_(steps, 1)
-            _cpu_qhadam_(ps, gs, ms, ss, vs, [float(t) for t in steps], hp, grad_scale)
+            # One read of every count (each item() would cost a call per tensor).
+            numbers = torch.stack(steps).tolist() if steps else []
+            _cpu_qhadam_(ps, gs, ms, ss, vs, numbers, hp, grad_scale)
 
 
 def fused_qhadam_cpu_(
@@ -315,8 +348,17 @@ def _cpu_qhadam_(
     """The C++ kernel's step; ``vs`` is ``[max_exp_avg_sqs]`` with amsgrad, else ``[]``."""
     lr = float(hp.lr)
     coupled, decay = _decay(hp, lr)
-    folds = [_kernels.host_fold(t, lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps) for t in steps]
-    coefficients = torch.tensor([f[1:] for f in folds], dtype=torch.float64)
+    # One fold per distinct step number (usually one for the whole list).
+    folds = {
+        t: _kernels.host_fold(t, lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps)[1:]
+        for t in set(steps)
+    }
+    if len(folds) == 1:
+        (fold,) = folds.values()
+        coefficients = torch.tensor(fold, dtype=torch.float64).expand(len(steps), -1)
+    else:
+        coefficients = torch.tensor([folds[t] for t in steps], dtype=torch.float64)
+    coefficients = coefficients.contiguous()
     _cpu_extension().qhadam_(
         ps,
         gs,

@@ -562,8 +562,6 @@ def qhadam(
             "qhadam(amsgrad=True) needs max_exp_avg_sqs, one tensor per parameter "
             "(zeros before the first step)"
         )
-    # A gradient that shares storage with its parameter is read before it is written.
-    grads = unalias_grads(params, grads)
     hp = _kernels.QHAdamHyperparameters(
         scalar_lr(lr),
         beta1,
@@ -578,6 +576,7 @@ def qhadam(
     )
     maxes = max_exp_avg_sqs if amsgrad else None
     if fused:
+        # The fused kernels handle a gradient aliasing its parameter themselves.
         _fused.fused_qhadam(
             params,
             grads,
@@ -590,6 +589,8 @@ def qhadam(
             max_exp_avg_sqs=maxes,
         )
         return
+    # A gradient that shares storage with its parameter is read before it is written.
+    grads = unalias_grads(params, grads)
     if foreach is None:
         foreach = default_foreach(params, differentiable)
     func = _multi_tensor_qhadam if foreach else _single_tensor_qhadam

@@ -288,16 +288,17 @@ def qhm(
     ``fused=True`` takes the fused kernels (``grad_scale`` and ``found_inf``
     as ``torch.amp.GradScaler`` sets them on the optimizer).
     """
-    # A gradient that shares storage with its parameter is read before it is written.
-    grads = unalias_grads(params, grads)
     hp = _kernels.QHMHyperparameters(
         scalar_lr(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize
     )
     if fused:
+        # The fused kernels handle a gradient aliasing its parameter themselves.
         _fused.fused_qhm(
             params, grads, momentum_buffers, hp, grad_scale=grad_scale, found_inf=found_inf
         )
         return
+    # A gradient that shares storage with its parameter is read before it is written.
+    grads = unalias_grads(params, grads)
     if foreach is None:
         foreach = default_foreach(params, differentiable)
     func = _multi_tensor_qhm if foreach else _single_tensor_qhm

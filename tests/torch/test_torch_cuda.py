@@ -115,3 +115,88 @@ def test_capturable_step_replays_in_a_cuda_graph(
     assert_trajectories_close(got, want, rtol=1e-5)
     if cls is not QHM:
         assert all(s["step"].is_cuda and float(s["step"]) == len(grads) for s in opt.state.values())
+
+
+# ------------------------------------------------ step hazards (docs/robustness.md)
+# The CPU suite (test_torch_step_hazards.py) runs every path on CPU tensors;
+# these are the same checks on CUDA, where the fused path is Triton's.
+CUDA_PATHS: dict[str, dict[str, bool]] = {
+    "loop": {"foreach": False},
+    "foreach": {"foreach": True},
+    "capturable": {"foreach": True, "capturable": True},
+    "fused": {"fused": True},
+}
+ALIAS_CONFIGS: list[tuple[type, dict[str, Any]]] = [
+    (QHM, {"lr": 0.1, "momentum": 0.9, "nu": 0.7, "weight_decay": 0.1}),
+    (QHAdam, {"lr": 0.1, "nus": (0.7, 0.8), "weight_decay": 0.1, "eps": 1e-3}),
+    (QHAdamW, {"lr": 0.1, "nus": (0.7, 0.9), "weight_decay": 0.1}),
+]
+
+
+@pytest.mark.parametrize("view", ["same", "transpose", "shift-ahead", "shift-behind"])
+@pytest.mark.parametrize("path", list(CUDA_PATHS))
+@pytest.mark.parametrize(
+    ("cls", "kwargs"), ALIAS_CONFIGS, ids=[c.__name__ for c, _ in ALIAS_CONFIGS]
+)
+def test_a_gradient_aliasing_its_parameter_on_cuda_follows_the_reference(
+    cls: type, kwargs: dict[str, Any], path: str, view: str
+) -> None:
+    from qh_torch_testing import reference_optimizer
+
+    n, k = 64, 3  # a square parameter for the transpose, windows k apart for the shifts
+    buffer = torch.linspace(-2.0, 3.0, n + k, dtype=F64, device="cuda")
+    at = {"shift-behind": k}.get(view, 0)
+    p = torch.nn.Parameter(buffer[at : at + n].view(8, 8))
+    opt = cls([p], **kwargs, **CUDA_PATHS[path])
+    ref = reference_optimizer(cls, kwargs)
+    whole = buffer.cpu().numpy().copy()
+    state = ref.init(whole[at : at + n].reshape(8, 8).copy())
+    for _ in range(3):
+        x = whole[at : at + n].reshape(8, 8).copy()
+        if view == "same":
+            p.grad, want_grad = p.detach(), x.copy()
+        elif view == "transpose":
+            p.grad, want_grad = p.detach().t(), x.T.copy()
+        else:
+            g_at = k if view == "shift-ahead" else 0
+            p.grad = buffer[g_at : g_at + n].view(8, 8).detach()
+            want_grad = whole[g_at : g_at + n].reshape(8, 8).copy()
+        opt.step()
+        x, state = ref.step(x, want_grad, state)
+        whole[at : at + n] = x.reshape(-1)
+    torch.testing.assert_close(buffer.cpu(), torch.from_numpy(whole), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("beta1", [0.99999, 0.9999999])
+@pytest.mark.parametrize("path", list(CUDA_PATHS))
+def test_adam_first_step_on_cuda_is_lr_times_the_sign_in_float32(path: str, beta1: float) -> None:
+    grad = torch.tensor([1.0, -2.0, 0.5, -3.0, 1e-3, 7.0], device="cuda")
+    p = torch.nn.Parameter(torch.zeros(6, device="cuda"))
+    p.grad = grad
+    QHAdam([p], lr=1.0, betas=(beta1, 0.999), eps=0.0, **CUDA_PATHS[path]).step()
+    # Two float32 ulps (docs/robustness.md); 1 - beta1 in float32 would be 16% off.
+    eps32 = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(p.detach(), -torch.sign(grad), rtol=2 * eps32, atol=0)
+
+
+@pytest.mark.parametrize("path", list(CUDA_PATHS))
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (QHM, {"lr": 1e308, "momentum": 0.9}),
+        (QHM, {"lr": 0.1, "momentum": 0.9, "nu": 1e308}),
+        (QHAdam, {"lr": 0.1, "nus": (1e308, 0.5)}),
+        (QHAdam, {"lr": 0.1, "eps": 1e308}),
+    ],
+)
+def test_float32_coefficients_beyond_the_range_complete_the_step_on_cuda(
+    cls: type, kwargs: dict[str, Any], path: str
+) -> None:
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0], device="cuda"))
+    opt = cls([p], **kwargs, **CUDA_PATHS[path])
+    for _ in range(2):
+        p.grad = torch.tensor([0.5, -0.25, 0.0], device="cuda")
+        opt.step()  # completes: inf/NaN as IEEE arithmetic gives, not an exception
+    torch.cuda.synchronize()
+    buf = opt.state[p]["momentum_buffer" if cls is QHM else "exp_avg"]
+    assert bool(torch.isfinite(buf).all())  # the state carries no huge coefficient

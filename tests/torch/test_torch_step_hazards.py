@@ -102,6 +102,37 @@ def test_a_gradient_aliasing_its_parameter_follows_the_reference(
     assert p.grad.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("shift", [3, -3])
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "differentiable"])
+@pytest.mark.parametrize(("cls", "kwargs"), ALIAS_CONFIGS)
+def test_a_gradient_overlapping_part_of_its_parameter_follows_the_reference(
+    cls: type, kwargs: dict[str, Any], path: str, shift: int
+) -> None:
+    # Parameter and gradient are windows of one buffer, `shift` elements apart
+    # (longer than a vector register, so that a vectorized loop cannot read a
+    # window before writing it by luck). With the gradient behind the
+    # parameter (shift < 0), a loop reading it after writing the parameter
+    # reads updated values.
+    n, k = 67, abs(shift)
+    buffer = torch.linspace(-2.0, 3.0, n + k, dtype=F64)
+    p_at, g_at = (0, k) if shift > 0 else (k, 0)
+    p = torch.nn.Parameter(buffer[p_at : p_at + n])
+    assert p.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    opt = _make(cls, kwargs, path, p)
+    ref = reference_optimizer(cls, kwargs)
+    whole = buffer.numpy().copy()  # the reference's view of the buffer
+    state = ref.init(whole[p_at : p_at + n].copy())
+    for _ in range(3):
+        p.grad = buffer[g_at : g_at + n].detach()
+        opt.step()
+        ref_grad = whole[g_at : g_at + n].copy()
+        x, state = ref.step(
+            whole[p_at : p_at + n].copy(), -ref_grad if kwargs.get("maximize") else ref_grad, state
+        )
+        whole[p_at : p_at + n] = x
+    np.testing.assert_allclose(buffer.numpy(), whole, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("path", ["per-tensor", "foreach", "fused", "capturable-foreach"])
 def test_aliased_gradients_step_as_torch_adam_and_sgd(path: str) -> None:
     x0 = torch.tensor([1.0, -2.0, 0.25], dtype=F32)

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstddef>
 #include <vector>
 
 namespace {
@@ -46,6 +47,18 @@ void check_lists(const std::vector<at::Tensor>& params,
                   "qhoptim fused: state and gradients must match their parameter");
     }
   }
+}
+
+// The gradient the loops read: a copy of one that overlaps its parameter's memory
+// (`p.grad = p.detach()`, the gradient of |p|^2 / 2, or a view of p), which the
+// loop would otherwise read after writing p, and which the compiler is told
+// (__restrict__) cannot happen. Two comparisons per tensor; only an overlapping
+// gradient is copied.
+at::Tensor readable_grad(const at::Tensor& param, const at::Tensor& grad) {
+  const auto* p = static_cast<const char*>(param.data_ptr());
+  const auto* g = static_cast<const char*>(grad.data_ptr());
+  const auto bytes = static_cast<std::ptrdiff_t>(param.numel() * param.element_size());
+  return (g < p + bytes && p < g + bytes) ? grad.clone() : grad;
 }
 
 // One chunk of a QHM step. The pointers do not alias and the coefficients are
@@ -144,8 +157,9 @@ void qhm_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
           double buffer_value, double grad_value) {
   check_lists(params, {grads, momentum_buffers});
   for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor grad = readable_grad(params[i], grads[i]);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[i].scalar_type(), "qhm_", [&] {
-      qhm_tensor<scalar_t>(params[i], grads[i], momentum_buffers[i], grad_multiplier,
+      qhm_tensor<scalar_t>(params[i], grad, momentum_buffers[i], grad_multiplier,
                            coupled_weight_decay, decay_factor, grad_to_buffer, buffer_value,
                            grad_value);
     });
@@ -171,17 +185,18 @@ void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   TORCH_CHECK(form >= 0 && form <= 2, "qhoptim fused: unknown denominator form");
   const double* c = coefficients.data_ptr<double>();
   for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor grad = readable_grad(params[i], grads[i]);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[i].scalar_type(), "qhadam_", [&] {
       auto run = [&](auto form_tag) {
         constexpr int kForm = decltype(form_tag)::value;
         if (amsgrad) {
           qhadam_tensor<scalar_t, kForm, true>(
-              params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], &max_exp_avg_sqs[i], c + 5 * i,
+              params[i], grad, exp_avgs[i], exp_avg_sqs[i], &max_exp_avg_sqs[i], c + 5 * i,
               grad_multiplier, coupled_weight_decay, decay_factor, exp_avg_lerp, beta2,
               one_minus_beta2);
         } else {
           qhadam_tensor<scalar_t, kForm, false>(
-              params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], nullptr, c + 5 * i,
+              params[i], grad, exp_avgs[i], exp_avg_sqs[i], nullptr, c + 5 * i,
               grad_multiplier, coupled_weight_decay, decay_factor, exp_avg_lerp, beta2,
               one_minus_beta2);
         }
