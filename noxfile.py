@@ -53,12 +53,13 @@ LOWEST = ("-c", str(ROOT / ".ci" / "lowest-constraints.txt"))
 ARTIFACTS = ROOT / "artifacts"
 BACKEND_TESTS = (
     "tests/torch", "tests/optax", "tests/keras", "tests/mlx", "tests/docs", "tests/distributed",
+    "tests/integrations",
 )  # fmt: skip
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
 nox.options.sessions = [
-    "lint", "tests", "conformance", "torch", "optax", "keras", "mlx", "distributed", "lowest",
-    "sweep", "docs",
+    "lint", "tests", "conformance", "torch", "optax", "keras", "mlx", "distributed",
+    "integrations", "lowest", "sweep", "docs",
 ]  # fmt: skip
 # nox's own default: a missing interpreter fails the run under CI (CI is set)
 # and skips its sessions, reported as skipped, elsewhere.
@@ -243,6 +244,20 @@ def distributed(session: nox.Session) -> None:
     # installed (its backend modules import torch, JAX and TensorFlow).
     _typecheck(session, "qhoptim/keras")
     _pytest(session, "tests/distributed", env={"QHOPTIM_REQUIRE_ALL": "1"})
+
+
+# Where users pick an optimizer by name or hand a class to a trainer: timm's
+# factory, Hugging Face's Trainer, Lightning (docs/integrations.md).
+INTEGRATIONS = ("torchvision", "timm>=1.0.12", "transformers", "accelerate", "lightning")
+
+
+@nox.session(python=PYTHON)
+@timed
+def integrations(session: nox.Session) -> None:
+    constraints = ("-c", str(ROOT / ".ci" / "integrations-constraints.txt"))
+    session.install("-e", ".[test,torch]", *INTEGRATIONS, *constraints)
+    # Every package is installed here, so every test must run.
+    _pytest(session, "tests/integrations", env={"QHOPTIM_REQUIRE_ALL": "1"})
 
 
 @nox.session(python=PYTHON)

@@ -30,7 +30,10 @@ torch ``SGD`` and ``Adam`` do.
 
 The classes are registered as Keras serializables (package ``"qhoptim"``), so
 ``keras.models.load_model`` restores them, configuration and state, without
-``custom_objects`` once ``qhoptim.keras`` is imported.
+``custom_objects`` once ``qhoptim.keras`` is imported. Importing it also makes
+the names ``"qhm"``, ``"qhadam"`` and ``"qhadamw"`` (and ``"QHM"``, ``"QHAdam"``,
+``"QHAdamW"``) strings ``model.compile(optimizer=...)`` and
+``keras.optimizers.get`` accept, each giving the class with its defaults.
 
 References:
   Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
@@ -461,7 +464,8 @@ class QHM(_QHOptimizer):
     ``QHM(learning_rate=lr / (1 - beta), momentum=beta, nu=1.0)``, and
     ``nesterov=True`` to ``nu=beta``; ``QHM.from_params(
     qhoptim.convert.from_nesterov(lr, beta))`` does the conversion. For that
-    reason ``learning_rate`` has no default.
+    reason ``learning_rate`` has no default; by name (``"qhm"``), where none
+    can be passed, it is 0.01 (:attr:`NAMED_LEARNING_RATE`).
 
     Args:
         learning_rate: A float, a
@@ -579,6 +583,21 @@ class QHM(_QHOptimizer):
         config = super().get_config()
         config.update({"momentum": self.momentum, "nu": self.nu})
         return config
+
+    #: The learning rate of ``QHM`` built by name (``"qhm"``), where there is no
+    #: argument to pass it: Keras's ``"sgd"`` default, ``SGD(0.01)`` without
+    #: momentum, whose step on a constant gradient QHM's normalized buffer
+    #: reaches with the same number.
+    NAMED_LEARNING_RATE = 0.01
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """The optimizer of ``config``; a config without ``learning_rate`` -- what
+        ``keras.optimizers.get("qhm")`` and ``compile(optimizer="qhm")`` pass --
+        takes :attr:`NAMED_LEARNING_RATE`. Saved configs always hold one."""
+        if "learning_rate" not in config:
+            config = {**config, "learning_rate": cls.NAMED_LEARNING_RATE}
+        return super().from_config(config, custom_objects=custom_objects)
 
 
 # ---------------------------------------------------------------------- QHAdam
@@ -870,3 +889,27 @@ class QHAdamW(QHAdam):
             amsgrad=amsgrad,
             **kwargs,
         )
+
+
+# ------------------------------------------------------------------ by name
+#: The strings ``model.compile(optimizer=...)`` and ``keras.optimizers.get``
+#: accept for qhoptim's optimizers once this module is imported, as Keras
+#: accepts ``"adam"`` and ``"Adam"`` for its own.
+NAMES = {
+    "qhm": QHM,
+    "QHM": QHM,
+    "qhadam": QHAdam,
+    "QHAdam": QHAdam,
+    "qhadamw": QHAdamW,
+    "QHAdamW": QHAdamW,
+}
+
+
+def _register_names(custom_objects: dict[str, Any]) -> None:
+    """Add :data:`NAMES` to Keras's global custom objects, where ``keras.optimizers.get``
+    looks a string up; a name the user registered first is left as it is."""
+    for name, cls in NAMES.items():
+        custom_objects.setdefault(name, cls)
+
+
+_register_names(keras.saving.get_custom_objects())

@@ -22,5 +22,6 @@ except ImportError as error:  # pragma: no cover - exercised where torch is abse
 
 from qhoptim.torch._qhadam import QHAdam, QHAdamW, qhadam
 from qhoptim.torch._qhm import QHM, qhm
+from qhoptim.torch._timm import register_with_timm
 
-__all__ = ["QHM", "QHAdam", "QHAdamW", "qhadam", "qhm"]
+__all__ = ["QHM", "QHAdam", "QHAdamW", "qhadam", "qhm", "register_with_timm"]

@@ -350,19 +350,29 @@ def cast_complex_state(param: Tensor, state: dict[str, Any]) -> None:
 def _check_param_state(
     what: str, key: Any, param: Tensor, p_state: Any, allowed: tuple[frozenset[str], ...]
 ) -> None:
-    """One parameter's saved state: the optimizer's keys, tensors that fit the parameter."""
+    """One parameter's saved state: the optimizer's keys, tensors that fit the parameter.
+
+    Keys that are none of the optimizer's are another component's and pass
+    unchecked, as ``torch.optim`` keeps them: timm's ``Lookahead`` and
+    similar wrappers store their own buffers in the wrapped optimizer's state.
+    They are accepted only beside a complete layout of the optimizer's own keys,
+    so that another optimizer's state (SGD's ``momentum_buffer`` in QHAdam) is
+    still refused.
+    """
     if not isinstance(p_state, dict):
         raise TypeError(
             f"{what}: the state of parameter {key!r} is a {type(p_state).__name__}, not a dict"
         )
-    keys = frozenset(p_state)
-    if keys not in allowed:
+    own = frozenset().union(*allowed)
+    keys = frozenset(p_state) & own
+    if keys not in allowed or (not keys and p_state):
         want = " or ".join(str(sorted(a)) for a in allowed if a)
         raise ValueError(
-            f"{what}: the state of parameter {key!r} has keys {sorted(keys)}, expected {want}; "
-            "is this the state dict of another optimizer?"
+            f"{what}: the state of parameter {key!r} has keys {sorted(p_state)}, expected "
+            f"{want}; is this the state dict of another optimizer?"
         )
-    for name, value in p_state.items():
+    for name in sorted(keys):
+        value = p_state[name]
         if name in ("step", "beta1_weight", "beta2_weight"):
             number = value
             if torch.is_tensor(value):

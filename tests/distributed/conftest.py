@@ -4,49 +4,22 @@ Each test compares a distributed run with an independent single-device run and
 reports the largest difference it measured; the figures are listed at the end
 of the run (``report_difference``).
 
-``QHOPTIM_REQUIRE_ALL=1`` (the ``distributed`` nox session sets it) turns
-every skip into a failure: there, each framework is installed, and a test that
-did not run must not read as passing.
+``QHOPTIM_REQUIRE_ALL=1`` (the ``distributed`` nox session sets it; see
+``tests/conftest.py``) turns every skip into a failure: there, each framework
+is installed, and a test that did not run must not read as passing.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 
 import pytest
 
 # TensorFlow's C++ start-up chatter (CPU features, oneDNN) is noise in test logs.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-REQUIRE_ALL = os.environ.get("QHOPTIM_REQUIRE_ALL", "") not in ("", "0")
 _FIGURES = pytest.StashKey[list[tuple[str, float, float, str]]]()
-
-
-def _no_skips(report: pytest.CollectReport | pytest.TestReport) -> None:
-    if REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail"):
-        report.outcome = "failed"
-        report.longrepr = (
-            f"skipped, but QHOPTIM_REQUIRE_ALL=1 requires it to run: {report.longrepr}"
-        )
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(
-    collector: pytest.Collector,
-) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
-    report = yield
-    _no_skips(report)
-    return report
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
-    _no_skips(report)
-    return report
 
 
 @pytest.fixture

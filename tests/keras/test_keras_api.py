@@ -297,3 +297,58 @@ def test_amsgrad_is_documented_configured_and_checked(cls: type) -> None:
         with pytest.raises(TypeError) as info:
             cls(amsgrad=value)
         assert str(info.value) == f"amsgrad must be a bool; received amsgrad={value!r}"
+
+
+# ------------------------------------------------------------------ by name
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("qhm", qk.QHM),
+        ("QHM", qk.QHM),
+        ("qhadam", qk.QHAdam),
+        ("QHAdam", qk.QHAdam),
+        ("qhadamw", qk.QHAdamW),
+        ("QHAdamW", qk.QHAdamW),
+    ],
+)
+def test_optimizers_get_takes_qh_names_with_the_package_defaults(name, cls) -> None:
+    opt = keras.optimizers.get(name)
+    assert type(opt) is cls
+    # The package defaults, as the class built with no arguments has them
+    # (QHM has no default learning rate; by name it takes Keras SGD's 0.01).
+    default = cls(0.01) if cls is qk.QHM else cls()
+    assert opt.get_config() == {**default.get_config(), "name": opt.get_config()["name"]}
+    assert opt.learning_rate.numpy() == default.learning_rate.numpy()
+
+
+def test_compile_with_a_qh_name_trains_with_qh_steps_and_reloads(tmp_path) -> None:
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+    model.compile(optimizer="qhadam", loss="mse")
+    assert type(model.optimizer) is qk.QHAdam
+    x = np.random.default_rng(0).standard_normal((8, 3)).astype("float32")
+    y = np.zeros((8, 1), "float32")
+    kernel0 = np.asarray(model.layers[0].kernel.numpy(), np.float64)
+    model.train_on_batch(x, y)
+    # The first step is QHAdam's with its defaults (Adam's first step, as
+    # nu = (1, 1)), from the reference fed the same gradient.
+    grad = 2 * x.astype(np.float64).T @ (x.astype(np.float64) @ kernel0) / len(x)
+    ref = reference.QHAdam(lr=1e-3, eps=1e-7)
+    want, _ = ref.step(kernel0, grad, ref.init(kernel0))
+    np.testing.assert_allclose(model.layers[0].kernel.numpy(), want, rtol=1e-5)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    config = json.loads(__import__("zipfile").ZipFile(path).read("config.json"))
+    assert config["compile_config"]["optimizer"]["registered_name"] == "qhoptim>QHAdam"
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is qk.QHAdam
+    assert int(loaded.optimizer.iterations.numpy()) == 1
+
+
+def test_a_name_registered_before_import_is_kept() -> None:
+    class Mine:
+        pass
+
+    objects = {"qhadam": Mine}
+    qk._register_names(objects)
+    assert objects["qhadam"] is Mine
+    assert objects["qhm"] is qk.QHM and objects["QHAdamW"] is qk.QHAdamW

@@ -100,8 +100,12 @@ def _corrupt_cases() -> list[tuple[str, str, Callable[[dict[str, Any]], None], t
         ("QHM", "not a tensor", set_state("momentum_buffer", [[0.0] * 2] * 3), TypeError,
          "must be a tensor; received list"),
         ("QHM", "missing key", drop_state("momentum_buffer"), None, ""),
-        ("QHM", "extra key", set_state("exp_avg", torch.zeros(3, 2, dtype=F64)), ValueError,
-         r"has keys \['exp_avg', 'momentum_buffer'\], expected \['momentum_buffer'\]"),
+        ("QHM", "another optimizer's key instead",
+         lambda sd: sd["state"][0].update(exp_avg=sd["state"][0].pop("momentum_buffer")),
+         ValueError, r"has keys \['exp_avg'\], expected \['momentum_buffer'\]"),
+        ("QHAdam", "an incomplete layout beside a foreign key",
+         lambda sd: sd["state"][0].update(slow=sd["state"][0].pop("exp_avg_sq")), ValueError,
+         r"has keys \['exp_avg', 'slow', 'step'\], expected"),
         ("QHM", "bad momentum", set_group("momentum", 1.5), ValueError,
          r"^momentum must be in \[0, 1\); received momentum=1.5$"),
         ("QHM", "bad weight_decay_type", set_group("weight_decay_type", "l2"), ValueError,
@@ -249,3 +253,23 @@ def test_a_saved_step_of_another_dtype_is_cast_on_load(step_dtype: Any, flags: d
     run_torch(loaded, loaded_params, grads)
     for a, b in zip(expected_params, loaded_params, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["QHM", "QHAdam"])
+def test_a_wrappers_entries_beside_the_state_load_and_stay(name: str) -> None:
+    # timm's Lookahead keeps its slow weights in the wrapped optimizer's state
+    # ("lookahead_slow_buff"); torch.optim keeps such entries, and so does qhoptim.
+    opt = _trained(QH[name])
+    sd = opt.state_dict()
+    slow = torch.full((3, 2), 0.5, dtype=F64)
+    sd["state"][0]["lookahead_slow_buff"] = slow
+    sd["state"][0]["slow_steps"] = 6
+    resumed = _trained(QH[name])
+    resumed.load_state_dict(sd)
+    p = resumed.param_groups[0]["params"][0]  # parameter 0, of shape (3, 2)
+    assert resumed.state[p]["slow_steps"] == 6
+    torch.testing.assert_close(resumed.state[p]["lookahead_slow_buff"], slow)
+    for q in resumed.param_groups[0]["params"]:
+        q.grad = torch.ones_like(q)
+    resumed.step()
+    torch.testing.assert_close(resumed.state[p]["lookahead_slow_buff"], slow)
