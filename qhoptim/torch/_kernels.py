@@ -186,19 +186,38 @@ def _fits(c: Coefficient, like: Tensor, *, opmath: bool = False) -> bool:
     return bool(abs(c) <= _MAX.get(dtype, math.inf))
 
 
+def _opmath(c: Coefficient, like: Tensor) -> Coefficient:
+    """A host coefficient as the scalar of a multiplication of tensors like ``like``:
+    rounded to the arithmetic's type (float32 below float64) as IEEE arithmetic
+    rounds it, so ``1e308`` becomes inf for float32 tensors.
+
+    The CPU kernels take a number beyond float32's range and round it so
+    themselves; CUDA's refuse it ("value cannot be converted to type float
+    without overflow"), halfway through a step.
+    """
+    if (
+        not _on_host(c)
+        or not math.isfinite(c)
+        or like.dtype in (torch.float64, torch.complex128)
+        or abs(c) <= _MAX[torch.float32]
+    ):
+        return c
+    return float(torch.tensor(c, dtype=torch.float64).to(torch.float32))
+
+
 def _add_scaled_(ys: list[Tensor], xs: list[Tensor], c: Coefficient) -> None:
     """``ys += c * xs``."""
     if _on_host(c) and _fits(c, ys[0]):
         torch._foreach_add_(ys, xs, alpha=c)
     else:
-        torch._foreach_add_(ys, torch._foreach_mul(xs, c))
+        torch._foreach_add_(ys, torch._foreach_mul(xs, _opmath(c, xs[0])))
 
 
 def _plus_scaled(ys: list[Tensor], xs: list[Tensor], c: Coefficient) -> list[Tensor]:
     """``ys + c * xs`` (new tensors)."""
     if _on_host(c) and _fits(c, ys[0]):
         return cast(list[Tensor], torch._foreach_add(ys, xs, alpha=c))
-    out = cast(list[Tensor], torch._foreach_mul(xs, c))
+    out = cast(list[Tensor], torch._foreach_mul(xs, _opmath(c, xs[0])))
     torch._foreach_add_(out, ys)
     return out
 
@@ -209,7 +228,7 @@ def _is_one(c: Coefficient) -> bool:
 
 def _scaled(xs: list[Tensor], c: Coefficient) -> list[Tensor]:
     """``c * xs``: new tensors, or ``xs`` themselves for the number 1."""
-    return xs if _is_one(c) else cast(list[Tensor], torch._foreach_mul(xs, c))
+    return xs if _is_one(c) else cast(list[Tensor], torch._foreach_mul(xs, _opmath(c, xs[0])))
 
 
 def _grad_sq(grads: list[Tensor], grad_sqs: list[Tensor] | None, c: Coefficient) -> list[Tensor]:
@@ -218,7 +237,7 @@ def _grad_sq(grads: list[Tensor], grad_sqs: list[Tensor] | None, c: Coefficient)
         return _scaled(grad_sqs, c)
     out = cast(list[Tensor], torch._foreach_mul(grads, grads))
     if not _is_one(c):
-        torch._foreach_mul_(out, c)
+        torch._foreach_mul_(out, _opmath(c, out[0]))
     return out
 
 
@@ -252,7 +271,7 @@ def _addcdiv_(ys: list[Tensor], xs: list[Tensor], den: list[Tensor], c: Coeffici
     if _on_host(c) and _fits(c, ys[0], opmath=True):
         torch._foreach_addcdiv_(ys, xs, den, c)
         return
-    out = torch._foreach_mul(xs, c)
+    out = torch._foreach_mul(xs, _opmath(c, xs[0]))
     torch._foreach_div_(out, den)
     torch._foreach_add_(ys, out)
 
@@ -276,7 +295,8 @@ def decay_grads(
         grads = cast(list[Tensor], torch._foreach_neg(grads))
     if hp.weight_decay != 0:
         if hp.decoupled_weight_decay:
-            torch._foreach_mul_(params, rules.decoupled_decay_factor(hp.lr, hp.weight_decay))
+            factor = rules.decoupled_decay_factor(hp.lr, hp.weight_decay)
+            torch._foreach_mul_(params, _opmath(factor, params[0]))
         elif hp.maximize:  # reuse the negated copy
             _add_scaled_(grads, params, hp.weight_decay)
         else:
@@ -412,7 +432,7 @@ def _qhadam_update_(
         den = _scaled(exp_avg_sqs, f.exp_avg_sq_weight)
         _add_grad_sq_(den, grads, grad_sqs, f.grad_sq_weight)
         torch._foreach_sqrt_(den)
-    torch._foreach_add_(den, f.eps)
+    torch._foreach_add_(den, _opmath(f.eps, den[0]))
     if grad_sqs is not None:  # complex: the real denominator spans both parts of the views
         den = [d.unsqueeze(-1) for d in den]
     # Two in-place passes over ``param`` cost less than a temporary numerator.

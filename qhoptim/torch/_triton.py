@@ -176,7 +176,9 @@ def _hyper(values: tuple[float, ...], like: Tensor) -> Tensor:
     if tensor is None:
         if len(_HYPER) >= _MAX_TABLES:
             _HYPER.pop(next(iter(_HYPER)))
-        tensor = _HYPER[key] = torch.tensor(values, dtype=dtype, device=like.device)
+        # Through float64: a value beyond float32's range (lr = 1e308) becomes
+        # inf as IEEE arithmetic rounds it; torch.tensor(..., float32) refuses it.
+        tensor = _HYPER[key] = torch.tensor(values, dtype=torch.float64).to(like.device, dtype)
     return tensor
 
 
