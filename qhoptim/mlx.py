@@ -53,12 +53,6 @@ __all__ = ["QHM", "QHAdam", "QHAdamW"]
 LearningRate = float | mx.array | Callable[[mx.array], mx.array]
 
 
-def _decay(grad: mx.array, param: mx.array, lr: mx.array, wd: Any, decoupled: bool) -> Any:
-    if isinstance(wd, (int, float)) and wd == 0:  # no term for an absent decay
-        return grad, 1
-    return rules.weight_decay_terms(grad, param, lr=lr, weight_decay=wd, decoupled=decoupled)
-
-
 # One parameter's step, compiled: MLX fuses it into one kernel (on the CPU it
 # compiles C++ on first use and caches it; without a compiler it runs the ops
 # one by one). Python-number hyperparameters are constants of the compiled
@@ -67,30 +61,56 @@ def _decay(grad: mx.array, param: mx.array, lr: mx.array, wd: Any, decoupled: bo
 
 @mx.compile
 def _qhm_step(
-    grad: mx.array, param: mx.array, buf: mx.array, lr: mx.array,
-    momentum: Any, nu: Any, wd: Any, decoupled: bool,
+    grad: mx.array, param: mx.array, buf: mx.array, lr: mx.array, factor: Any,
+    momentum: Any, nu: Any, coupled_wd: Any,
 ) -> tuple[mx.array, mx.array]:  # fmt: skip
-    lr = lr.astype(param.dtype)
-    grad, factor = _decay(grad, param, lr, wd, decoupled)
+    """One parameter's step; ``lr`` (in the parameter's dtype) and the decoupled
+    decay ``factor`` are this step's, computed once for all parameters. The
+    weights stay Python numbers, constants of the kernel: each array scalar is
+    one more broadcast input of the fused kernel, measurably slower on the CPU."""
+    if coupled_wd:
+        grad = rules.coupled_weight_decay(grad, param, coupled_wd)
     buf, direction = rules.qhm_update(grad, buf, momentum=momentum, nu=nu)
     return buf, rules.apply_update(param, direction, lr, factor)
+
+
+def _sqrt(x: Any) -> Any:
+    """A number's square root as a number (``mx.sqrt`` would make it a float32
+    array, and round it so for float64 parameters), an array's as an array."""
+    return math.sqrt(x) if isinstance(x, (int, float)) else mx.sqrt(x)
+
+
+def _is_number(x: Any, value: float) -> bool:
+    return isinstance(x, (int, float)) and x == value
+
+
+def _scaled(param: mx.array, factor: Any) -> mx.array:
+    """``param * factor``; ``param`` itself for the number 1 (no decoupled decay)."""
+    return param if _is_number(factor, 1) else param * factor
 
 
 @mx.compile
 def _qhadam_step(
     grad: mx.array, param: mx.array, m: mx.array, v: mx.array, v_max: mx.array | None,
-    lr: mx.array, bc1: mx.array, bc2: mx.array, b1: Any, b2: Any, nu1: Any, nu2: Any,
-    eps: Any, wd: Any, decoupled: bool,
+    form: Any, weights: tuple[Any, ...], factor: Any, b1: Any, b2: Any, coupled_wd: Any,
 ) -> tuple[mx.array, ...]:  # fmt: skip
-    lr = lr.astype(param.dtype)
-    grad, factor = _decay(grad, param, lr, wd, decoupled)
-    hp = {"beta1": b1, "beta2": b2, "nu1": nu1, "nu2": nu2, "eps": eps, "sqrt": mx.sqrt}
-    hp |= {"bias_correction1": bc1, "bias_correction2": bc2}
-    if v_max is None:
-        m, v, update = rules.qhadam_update(grad, m, v, **hp)
-        return m, v, rules.apply_update(param, update, lr, factor)
-    m, v, v_max, update = rules.qhadam_amsgrad_update(grad, m, v, v_max, maximum=mx.maximum, **hp)
-    return m, v, v_max, rules.apply_update(param, update, lr, factor)
+    """One parameter's step in the folded form the fused kernels of every
+    backend use (:func:`qhoptim.rules.folded_qhadam_step`): the step's scalar
+    coefficients (``folded``, with the learning rate, and the decoupled decay
+    ``factor``) are computed once per step for all parameters, so that the
+    element-wise kernel does only the moments' and the update's arithmetic.
+    ``form`` is the fold's :class:`~qhoptim.rules.Denominator` by value and
+    ``weights`` its other fields (``mx.compile`` takes arrays and numbers)."""
+    folded = rules.FoldedQHAdam(rules.Denominator(form), *weights)
+    if coupled_wd:
+        grad = rules.coupled_weight_decay(grad, param, coupled_wd)
+    m = rules.ewma(m, grad, b1)
+    v = rules.ewma(v, grad * grad, b2)
+    if v_max is not None:
+        v_max = rules.amsgrad_maximum(v_max, v, maximum=mx.maximum)
+    delta = rules.folded_qhadam_step(folded, grad, m, v if v_max is None else v_max, sqrt=mx.sqrt)
+    param = _scaled(param, factor) + delta
+    return (m, v, param) if v_max is None else (m, v, v_max, param)
 
 
 def _bias_correction(beta: Any, step: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -107,10 +127,16 @@ def _bias_correction(beta: Any, step: mx.array, dtype: mx.Dtype) -> mx.array:
         log = mx.log if isinstance(beta, mx.array) else math.log
         t = step.astype(mx.float32)
         bc = rules.bias_correction(beta, t, expm1=mx.expm1, log=log).astype(dtype)
-    # Materialized: inside an mx.compile'd training step MLX may otherwise fuse
-    # this scalar chain into a parameter's kernel and evaluate expm1 (or pow)
-    # once per element (3x the step's time with a single large parameter).
+    # Materialized (3x the step's time with a single large parameter otherwise,
+    # expm1 or pow evaluated once per element).
     return mx.contiguous(bc)
+
+
+def _materialized(x: Any) -> Any:
+    """An array as its own computation (a number as it is): inside an
+    ``mx.compile``-d training step MLX would otherwise fuse a scalar chain into
+    each parameter's element-wise kernel and evaluate it once per element."""
+    return mx.contiguous(x) if isinstance(x, mx.array) else x
 
 
 def _check_real(parameter: mx.array) -> None:
@@ -127,7 +153,36 @@ def _check_params(cls: type, params: object, expected: type) -> None:
         )
 
 
-class QHM(optim.Optimizer):
+class _QHOptimizer(optim.Optimizer):
+    """What QHM and QHAdam share: the step's scalar coefficients, computed once
+    per step and dtype for all parameters (:meth:`_step_coefficients`)."""
+
+    weight_decay: float
+    decoupled_weight_decay: bool
+
+    def apply_gradients(self, gradients: dict[str, Any], parameters: dict[str, Any]) -> Any:
+        self._coefficients: dict[Any, Any] = {}
+        return super().apply_gradients(gradients, parameters)
+
+    def _coefficients_for(self, dtype: mx.Dtype) -> Any:
+        if dtype not in self._coefficients:
+            self._coefficients[dtype] = self._step_coefficients(dtype)
+        return self._coefficients[dtype]
+
+    def _step_coefficients(self, dtype: mx.Dtype) -> Any:
+        raise NotImplementedError
+
+    def _decay_factor(self, lr: mx.array) -> Any:
+        """The decoupled decay factor ``1 - lr * weight_decay``, or the number 1."""
+        if self.decoupled_weight_decay and self.weight_decay != 0:
+            return _materialized(rules.decoupled_decay_factor(lr, self.weight_decay))
+        return 1
+
+    def _coupled_weight_decay(self) -> float:
+        return 0.0 if self.decoupled_weight_decay else self.weight_decay
+
+
+class QHM(_QHOptimizer):
     r"""Quasi-hyperbolic momentum.
 
     .. math::
@@ -196,14 +251,20 @@ class QHM(optim.Optimizer):
     def apply_single(
         self, gradient: mx.array, parameter: mx.array, state: dict[str, Any]
     ) -> mx.array:
+        lr, factor = self._coefficients_for(parameter.dtype)
         state["momentum_buffer"], parameter = _qhm_step(
-            gradient, parameter, state["momentum_buffer"], self.learning_rate,
-            self.momentum, self.nu, self.weight_decay, self.decoupled_weight_decay,
+            gradient, parameter, state["momentum_buffer"], lr, factor,
+            self.momentum, self.nu, self._coupled_weight_decay(),
         )  # fmt: skip
         return parameter
 
+    def _step_coefficients(self, dtype: mx.Dtype) -> tuple[mx.array, Any]:
+        """This step's learning rate and decoupled decay factor, in ``dtype``."""
+        lr = _materialized(self.learning_rate.astype(dtype))
+        return lr, self._decay_factor(lr)
 
-class QHAdam(optim.Optimizer):
+
+class QHAdam(_QHOptimizer):
     r"""QHAdam: Adam with quasi-hyperbolic moment estimators.
 
     .. math::
@@ -288,27 +349,35 @@ class QHAdam(optim.Optimizer):
         if self.amsgrad:
             state["v_max"] = mx.zeros_like(parameter)
 
-    def apply_gradients(self, gradients: dict[str, Any], parameters: dict[str, Any]) -> Any:
-        self._bias_corrections: dict[Any, tuple[mx.array, mx.array]] = {}  # per dtype, this step
-        return super().apply_gradients(gradients, parameters)
+    def _step_coefficients(self, dtype: mx.Dtype) -> tuple[rules.FoldedQHAdam, Any]:
+        """This step's folded coefficients and decoupled decay factor, in ``dtype``.
+
+        :func:`qhoptim.rules.qhadam_coefficients` of the bias corrections,
+        folded with the learning rate by :func:`qhoptim.rules.fold_qhadam`: the
+        common factor comes out of the square root when the denominator has
+        one term (with both, which term's weight to factor out depends on the
+        values, so they stay as they are). Each array is materialized.
+        """
+        (b1, b2), (nu1, nu2) = self.betas, self.nus
+        lr = self.learning_rate.astype(dtype)
+        bc1 = _bias_correction(b1, self.step, dtype)
+        bc2 = _bias_correction(b2, self.step, dtype)
+        c = rules.qhadam_coefficients(nu1, nu2, bc1, bc2)
+        form = rules.qhadam_denominator(nu2)
+        one_term = form is not rules.Denominator.MIX
+        folded = rules.fold_qhadam(c, lr, self.eps, form, factor_out=one_term, sqrt=_sqrt)
+        return rules.FoldedQHAdam(*map(_materialized, folded)), self._decay_factor(lr)
 
     def apply_single(
         self, gradient: mx.array, parameter: mx.array, state: dict[str, Any]
     ) -> mx.array:
-        dtype, (b1, b2) = parameter.dtype, self.betas
-        if dtype not in self._bias_corrections:
-            step = self.step
-            self._bias_corrections[dtype] = (
-                _bias_correction(b1, step, dtype),
-                _bias_correction(b2, step, dtype),
-            )
-        bc1, bc2 = self._bias_corrections[dtype]
+        folded, factor = self._coefficients_for(parameter.dtype)
         if self.amsgrad and "v_max" not in state:  # amsgrad switched on for a stepped state
             state["v_max"] = mx.zeros_like(state["v"])  # max(0, v) = v, as torch's
         *moments, parameter = _qhadam_step(
             gradient, parameter, state["m"], state["v"], state["v_max"] if self.amsgrad else None,
-            self.learning_rate, bc1, bc2, *self.betas, *self.nus, self.eps, self.weight_decay,
-            self.decoupled_weight_decay,
+            folded.denominator.value, tuple(folded[1:]), factor, *self.betas,
+            self._coupled_weight_decay(),
         )  # fmt: skip
         state.update(zip(("m", "v", "v_max") if self.amsgrad else ("m", "v"), moments, strict=True))
         return parameter

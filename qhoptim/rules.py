@@ -174,13 +174,29 @@ def weight_decay_terms(
 
 
 def apply_update(param: Array, update: Array, lr: Any, decay_factor: Any = 1) -> Array:
-    """``param * decay_factor - lr * update``: the final parameter step of every rule."""
-    return param * decay_factor - lr * update
+    """``param * decay_factor - lr * update``: the final parameter step of every rule
+    (no multiplication for a ``decay_factor`` that is the number 1)."""
+    return _weighted(decay_factor, param) - lr * update
 
 
 def qhm_coefficients(momentum: Any, nu: Any) -> QHMCoefficients:
     """The scalar weights of QHM for discount ``momentum`` (beta) and immediate discount ``nu``."""
     return QHMCoefficients(momentum, 1 - momentum, 1 - nu, nu)
+
+
+class FoldedQHM(NamedTuple):
+    """QHM's update as kernels apply it (:func:`fold_qhm`):
+    ``param += buffer_value * momentum_buffer + grad_value * grad`` after the
+    buffer's EWMA step, the values holding ``-lr``. A value that is the number 0
+    (``nu = 1``: momentum; ``nu = 0``: SGD) lets a kernel skip its term."""
+
+    buffer_value: Any  # -lr * nu
+    grad_value: Any  # -lr * (1 - nu)
+
+
+def fold_qhm(c: QHMCoefficients, lr: Any) -> FoldedQHM:
+    """:func:`qhm_update`'s direction times ``-lr`` (``lr`` a number or an array)."""
+    return FoldedQHM(_times_weight(-lr, c.buffer_weight), _times_weight(-lr, c.grad_weight))
 
 
 def qhm_update(
@@ -427,7 +443,7 @@ def fold_qhadam(
             c.grad_sq_weight,
             eps,
             -lr * c.exp_avg_weight,
-            -lr * c.grad_weight,
+            _times_weight(-lr, c.grad_weight),
         )
     if denominator is Denominator.EXP_AVG_SQ:
         s_weight, g_weight, k = 1.0, 0.0, sqrt(c.exp_avg_sq_weight)
@@ -445,8 +461,21 @@ def fold_qhadam(
         g_weight,
         eps / k,
         -lr * c.exp_avg_weight / k,
-        -lr * c.grad_weight / k,
+        _times_weight(-lr, c.grad_weight) / k,
     )
+
+
+def _times_weight(x: Any, weight: Any) -> Any:
+    """``x * weight``; the number 0 for a weight that is the number 0 (``1 - nu1``
+    at ``nu1 = 1``), also when ``x`` is an array (a device learning rate), so
+    that the term stays one a kernel can skip."""
+    if isinstance(weight, (int, float)) and weight == 0:
+        return 0.0
+    return x * weight
+
+
+def _is_zero(c: Any) -> bool:
+    return isinstance(c, (int, float)) and c == 0
 
 
 def folded_qhadam_step(
@@ -463,17 +492,26 @@ def folded_qhadam_step(
     ``exp_avg`` and ``exp_avg_sq`` are the moments *after* this step's EWMA;
     for the AMSGrad variant ``exp_avg_sq`` is the running maximum
     :func:`amsgrad_maximum` (after this step's), which the fold's coefficients
-    take unchanged. The definition of what the in-place kernels compute;
+    take unchanged. What the fused kernels compute (one division; torch's
+    multi-tensor kernels divide each term, the same to rounding);
     ``tests/test_rules.py`` checks it against :func:`qhadam_update` and
-    :func:`qhadam_amsgrad_update`.
+    :func:`qhadam_amsgrad_update`. A weight that is the number 1 costs no
+    multiplication and a value that is the number 0 no term.
     """
-    grad_sq = grad * grad if square is None else square(grad)
     form = f.denominator
     if form is Denominator.EXP_AVG_SQ:
-        base = f.exp_avg_sq_weight * exp_avg_sq
-    elif form is Denominator.GRAD:
-        base = f.grad_sq_weight * grad_sq
+        base = _weighted(f.exp_avg_sq_weight, exp_avg_sq)
     else:
-        base = f.exp_avg_sq_weight * exp_avg_sq + f.grad_sq_weight * grad_sq
-    d = sqrt(base) + f.eps
-    return f.exp_avg_value * exp_avg / d + f.grad_value * grad / d
+        grad_sq = grad * grad if square is None else square(grad)
+        base = _weighted(f.grad_sq_weight, grad_sq)
+        if form is Denominator.MIX:
+            base = _weighted(f.exp_avg_sq_weight, exp_avg_sq) + base
+    numerator = f.exp_avg_value * exp_avg
+    if not _is_zero(f.grad_value):
+        numerator = numerator + f.grad_value * grad
+    return numerator / (sqrt(base) + f.eps)
+
+
+def _weighted(weight: Any, x: Array) -> Array:
+    """``weight * x``; ``x`` itself for the number 1."""
+    return x if isinstance(weight, (int, float)) and weight == 1 else weight * x

@@ -7,6 +7,8 @@ gradients directly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -156,6 +158,40 @@ def test_folded_step_equals_the_rule(
         assert 1.0 in (f.exp_avg_sq_weight, f.grad_sq_weight)
         # ... and the other cannot overflow against the gradient's square
         assert max(f.exp_avg_sq_weight, f.grad_sq_weight) <= rules.MAX_DENOMINATOR_RATIO
+
+
+def test_a_device_learning_rate_keeps_a_zero_value_a_number() -> None:
+    # An array lr (MLX, torch's tensor lr) times a zero weight stays the number
+    # 0, so that a kernel still skips the term (nu1 = 1: Adam's numerator).
+    lr = np.array(0.01)
+    c = rules.qhadam_coefficients(1.0, 1.0, np.array(0.1), np.array(0.001))
+    for factor_out in (True, False):
+        f = rules.fold_qhadam(c, lr, 1e-8, rules.Denominator.EXP_AVG_SQ, factor_out=factor_out)
+        assert type(f.grad_value) is float and f.grad_value == 0
+
+
+@pytest.mark.parametrize("nu", [0.0, 0.7, 1.0, 1.3])
+@pytest.mark.parametrize("lr", [0.5, np.array(0.5)], ids=["number", "array"])
+def test_folded_qhm_values_are_minus_lr_times_the_weights(nu: float, lr: Any) -> None:
+    grad, buf = RNG.standard_normal(20), RNG.standard_normal(20)
+    c = rules.qhm_coefficients(0.9, nu)
+    new_buf, direction = rules.qhm_update(grad, buf, momentum=0.9, nu=nu)
+    f = rules.fold_qhm(c, lr)
+    np.testing.assert_allclose(
+        f.buffer_value * new_buf + f.grad_value * grad, -0.5 * direction, rtol=1e-15, atol=1e-16
+    )
+    # A zero weight is the number 0, whatever lr is: a kernel skips the term.
+    assert (type(f.grad_value) is float and f.grad_value == 0) == (nu == 1.0)
+    assert (type(f.buffer_value) is float and f.buffer_value == 0) == (nu == 0.0)
+
+
+def test_apply_update_without_decay_does_not_multiply() -> None:
+    # decay_factor 1 (the number) is the parameter itself, bit for bit, inf and
+    # NaN included; an array factor of 1 multiplies as written.
+    param = np.array([1.5, -np.inf, np.nan, -0.0])
+    got = rules.apply_update(param, np.zeros(4), 0.1)
+    np.testing.assert_array_equal(got, param)
+    assert np.signbit(got[3])
 
 
 def test_folded_step_of_a_complex_gradient_uses_the_squared_modulus() -> None:

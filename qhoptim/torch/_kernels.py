@@ -276,11 +276,6 @@ def _addcdiv_(ys: list[Tensor], xs: list[Tensor], den: list[Tensor], c: Coeffici
     torch._foreach_add_(ys, out)
 
 
-def _times(lr: Any, weight: float) -> Coefficient:
-    """``lr * weight`` for a number or tensor ``lr``."""
-    return lr * weight
-
-
 def decay_grads(
     params: list[Tensor], grads: list[Tensor], hp: QHMHyperparameters | QHAdamHyperparameters
 ) -> list[Tensor]:
@@ -325,17 +320,16 @@ def qhm_(
     a zero weight skips its pass). ``hp.lr`` may be a tensor.
     """
     c = rules.qhm_coefficients(hp.momentum, hp.nu)
-    buffer_value = _times(-hp.lr, c.buffer_weight) if c.buffer_weight != 0 else None
-    grad_value = _times(-hp.lr, c.grad_weight) if c.grad_weight != 0 else None
+    buffer_value, grad_value = rules.fold_qhm(c, hp.lr)
     for chunk in _chunks(params, per_tensor):
         ps, gs, bufs = params[chunk], grads[chunk], momentum_buffers[chunk]
         if ps[0].dtype.is_complex:
             ps, gs, bufs = _real_views(ps, gs, bufs)
         gs = decay_grads(ps, gs, hp)
         torch._foreach_lerp_(bufs, gs, c.grad_to_buffer)
-        if buffer_value is not None:
+        if _nonzero(buffer_value):
             _add_scaled_(ps, bufs, buffer_value)
-        if grad_value is not None:
+        if _nonzero(grad_value):
             _add_scaled_(ps, gs, grad_value)
 
 
