@@ -24,6 +24,7 @@ float32.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -97,11 +98,15 @@ def _cpu_extension() -> Any:
         )
     # The vector width torch found this CPU to have (it dispatches its own
     # kernels likewise): AVX2 and FMA where present, else the compiler's baseline.
-    # The kernel is built on the machine that runs it, under a name per width.
+    # The kernel is built on the machine that runs it, under a name per width and
+    # per source: two qhoptim versions (or two checkouts) sharing torch's
+    # extension cache then each keep their own build instead of rebuilding the
+    # other's, even at the same time.
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    digest = hashlib.sha256(_CSRC.read_bytes()).hexdigest()[:12]
     try:
         return cpp_extension.load(
-            name="qhoptim_fused_cpu" + ("_avx2" if wide else ""),
+            name="qhoptim_fused_cpu" + ("_avx2" if wide else "") + f"_{digest}",
             sources=[str(_CSRC)],
             # OpenMP: at::parallel_for is inline, so without it the kernel would run on
             # one thread; libgomp.so.1 resolves to the copy torch has already loaded.
@@ -220,10 +225,6 @@ def _locals(ts: list[Tensor]) -> list[Tensor]:
     return [_local(t) for t in ts]
 
 
-def _groups(tensorlists: list[list[Tensor]]) -> list[tuple[torch.device, list[list[Tensor]]]]:
-    return [(device, lists) for device, (*lists, _) in _groups_with_indices(tensorlists)]
-
-
 def _groups_with_indices(
     tensorlists: list[list[Tensor]],
 ) -> list[tuple[torch.device, list[Any]]]:
@@ -245,10 +246,17 @@ def fused_qhm(
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    state_seeds: list[list[int]] | None = None,
 ) -> None:
-    """One fused QHM step (coefficients of :func:`qhoptim.rules.qhm_coefficients`)."""
+    """One fused QHM step (coefficients of :func:`qhoptim.rules.qhm_coefficients`).
+
+    ``state_seeds`` (CPU, float32 parameters): the momentum buffers are
+    bfloat16, rounded stochastically with these seeds (``[seed]`` per tensor,
+    :mod:`qhoptim.torch._state_dtype`).
+    """
     c = rules.qhm_coefficients(hp.momentum, hp.nu)
-    for device, lists in _groups([params, grads, momentum_buffers]):
+    for device, (*lists, indices) in _groups_with_indices([params, grads, momentum_buffers]):
+        seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, bufs):
             if device.type == "cuda":
                 # The C++ kernel copies an aliased gradient itself; here it is done
@@ -270,7 +278,24 @@ def fused_qhm(
                 c.grad_to_buffer,
                 -lr * c.buffer_weight,
                 -lr * c.grad_weight,
+                seeds,
             )
+
+
+_NO_SEEDS = torch.empty(0, dtype=torch.int64)
+
+
+def _seed_table(
+    state_seeds: list[list[int]] | None, indices: list[int], device: torch.device
+) -> Tensor:
+    """The C++ kernel's ``seeds`` for the tensors at ``indices``: int64 ``[n, 3]``,
+    or empty for a state of the parameters' dtype."""
+    if state_seeds is None:
+        return _NO_SEEDS
+    if device.type != "cpu":
+        raise ValueError("a bfloat16 state_dtype steps through the fused kernel on CPU only")
+    rows = [[*state_seeds[i], 0, 0, 0][:3] for i in indices]
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def fused_qhadam(
@@ -284,18 +309,22 @@ def fused_qhadam(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     max_exp_avg_sqs: list[Tensor] | None = None,
+    state_seeds: list[list[int]] | None = None,
 ) -> None:
     """One fused QHAdam step (coefficients of :func:`qhoptim.rules.fold_qhadam`).
 
     ``state_steps`` are tensors on the parameters' devices, incremented here
     unless GradScaler found an inf. With ``hp.amsgrad`` (CPU only)
     ``max_exp_avg_sqs`` are the running maxima the denominator reads.
+    ``state_seeds`` (CPU, float32 parameters): the moments are bfloat16,
+    rounded stochastically with these seeds (one per moment and tensor).
     """
     tensorlists = [params, grads, exp_avgs, exp_avg_sqs]
     if hp.amsgrad:
         check_fused_amsgrad(params)
         tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
-    for device, (*lists, steps) in _groups([*tensorlists, state_steps]):
+    for device, (*lists, steps, indices) in _groups_with_indices([*tensorlists, state_steps]):
+        seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
             if device.type == "cuda":
                 gs = unalias_grads(ps, gs)
@@ -308,7 +337,7 @@ def fused_qhadam(
             torch._foreach_add_(steps, 1)
             # One read of every count (each item() would cost a call per tensor).
             numbers = torch.stack(steps).tolist() if steps else []
-            _cpu_qhadam_(ps, gs, ms, ss, vs, numbers, hp, grad_scale)
+            _cpu_qhadam_(ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds)
 
 
 def fused_qhadam_cpu_(
@@ -332,7 +361,7 @@ def fused_qhadam_cpu_(
         tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
     for _, (*lists, indices) in _groups_with_indices(tensorlists):
         with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
-            _cpu_qhadam_(ps, gs, ms, ss, vs, [steps[i] for i in indices], hp, None)
+            _cpu_qhadam_(ps, gs, ms, ss, vs, [steps[i] for i in indices], hp, None, _NO_SEEDS)
 
 
 def _cpu_qhadam_(
@@ -344,8 +373,10 @@ def _cpu_qhadam_(
     steps: list[float],
     hp: _kernels.QHAdamHyperparameters,
     grad_scale: Tensor | None,
+    seeds: Tensor,
 ) -> None:
-    """The C++ kernel's step; ``vs`` is ``[max_exp_avg_sqs]`` with amsgrad, else ``[]``."""
+    """The C++ kernel's step; ``vs`` is ``[max_exp_avg_sqs]`` with amsgrad, else ``[]``;
+    ``seeds`` see :func:`_seed_table`."""
     lr = float(hp.lr)
     coupled, decay = _decay(hp, lr)
     # One fold per distinct step number (usually one for the whole list).
@@ -373,4 +404,5 @@ def _cpu_qhadam_(
         1 - hp.beta1,
         hp.beta2,
         1 - hp.beta2,
+        seeds,
     )

@@ -79,6 +79,20 @@ def group_by_device_and_dtype(
 # torch 2.13), built on public API.
 
 
+state_dtype_doc = r"""state_dtype (torch.dtype, optional): store the state in this
+            dtype, e.g. ``torch.bfloat16`` for half a float32 model's state
+            memory; the arithmetic stays in the parameters' dtype (default:
+            None, the parameters' own; see docs/torch.md)
+        stochastic_rounding (bool, optional): write a bfloat16 state back with
+            unbiased, counter-based stochastic rounding (default: None, i.e.
+            True for bfloat16; False rounds to nearest)"""
+
+
+def _copy(count: Any) -> Any:
+    """A copy of a step count (a tensor, or a number)."""
+    return count.clone() if isinstance(count, Tensor) else count
+
+
 def scalar_dtype() -> torch.dtype:
     """The dtype of a new (non-fused) step count: float64 under a float64 default
     dtype, else float32 (as torch's ``_get_scalar_dtype``)."""
@@ -500,6 +514,98 @@ class QHOptimizer(Optimizer):
                 f"received {type(converted).__name__}"
             )
         return cls(params, **converted.as_kwargs(), **kwargs)  # type: ignore[attr-defined]
+
+    def _step_lists(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        state_lists: list[list[Tensor]],
+        steps: list[Any],
+        run: Callable[..., None],
+        *,
+        count_steps: bool,
+    ) -> None:
+        """``run(params, grads, state_lists, steps, state_seeds)``, the functional step,
+        for a group whose state may be stored narrower than its parameters
+        (``state_dtype``).
+
+        Parameters whose state has their own dtype step as usual. A bfloat16
+        state of float32 parameters with ``fused=True`` on CPU steps in the
+        fused kernel itself, which rounds it stochastically with the seeds it is
+        given; any other narrow state steps on working copies
+        (:func:`qhoptim.torch._state_dtype.step_with_narrow_state`). The seeds
+        are made of the number of the step being taken (the count in ``steps``
+        plus one; the count is advanced here, except by QHAdam's fused step,
+        which advances its own) and the parameter's position in the optimizer.
+        ``count_steps``: the counts are only for the seeds (QHM's).
+        """
+        if group.get("state_dtype") is None:
+            run(params, grads, state_lists, steps, None)
+            return
+        from qhoptim.torch import _state_dtype
+
+        narrow = [_state_dtype.narrow(group, p) for p in params]
+        for keep in (False, True):
+            at = [i for i, n in enumerate(narrow) if n is keep]
+            if not at:
+                continue
+            ps, gs = [params[i] for i in at], [grads[i] for i in at]
+            lists, counts = [[lst[i] for i in at] for lst in state_lists], [steps[i] for i in at]
+            if not keep:
+                run(ps, gs, lists, counts, None)
+                continue
+            everything = (q for g in self.param_groups for q in g["params"])
+            position = {p: i for i, p in enumerate(everything)}
+            # The seeds of the step about to be taken: its number and the
+            # parameter's position.
+            seeds = [
+                [_state_dtype.rounding_seed(value_of(c) + 1, 4 * position[p] + k) for k in range(3)]
+                for p, c in zip(ps, counts, strict=True)
+            ]
+            if _state_dtype.in_fused_kernel(group, ps):
+                run(ps, gs, lists, counts, seeds)  # QHAdam's fused step counts itself
+                if count_steps:
+                    for c in counts:
+                        c += 1
+                continue
+            # Working copies, a slice of a large tensor at a time: each slice
+            # steps from a copy of its tensor's count; the count then takes
+            # the value its copies reached (QHM's is advanced here).
+            reached: dict[int, Any] = {}
+
+            def piece_step(
+                at: list[int],
+                cps: Any,
+                cgs: Any,
+                work: Any,
+                counts: Any = counts,
+                reached: dict[int, Any] = reached,
+            ) -> None:
+                copies = [_copy(counts[i]) for i in at]
+                run(cps, cgs, work, copies, None)
+                reached.update(zip(at, copies, strict=True))
+
+            _state_dtype.step_with_narrow_state(
+                ps, gs, lists, piece_step, seeds, group.get("stochastic_rounding")
+            )
+            for i, c in enumerate(counts):
+                if count_steps:
+                    c += 1
+                elif i in reached:
+                    c.copy_(reached[i])
+
+    def _narrow_state(self, group: dict[str, Any], keys: tuple[str, ...]) -> None:
+        """Store ``keys`` of the group's state in its ``state_dtype`` (torch's
+        ``load_state_dict`` casts loaded state to the parameter's dtype)."""
+        dtype = group.get("state_dtype")
+        if dtype is None:
+            return
+        for p in group["params"]:
+            state = self.state.get(p, {})
+            for key in keys:
+                if key in state and state[key].dtype != dtype and not p.is_complex():
+                    state[key] = state[key].to(dtype)
 
     def _check_decay(self, group: dict[str, Any]) -> None:
         decoupled = self._renamed(group, warn=False).get("decoupled_weight_decay", False)

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from qhoptim import convert, rules, validation
-from qhoptim.torch import _fused, _kernels
+from qhoptim.torch import _fused, _kernels, _state_dtype
 from qhoptim.torch._optimizer import (
     QHOptimizer,
     capturable_doc,
@@ -27,6 +27,7 @@ from qhoptim.torch._optimizer import (
     on_device_kernels,
     params_doc,
     scalar_lr,
+    state_dtype_doc,
     unalias_grads,
     value_of,
 )
@@ -51,6 +52,8 @@ class QHAdam(QHOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         amsgrad: bool = False,
+        state_dtype: torch.dtype | None = None,
+        stochastic_rounding: bool | None = None,
         **legacy: Any,
     ) -> None:
         unknown = set(legacy) - {"decouple_weight_decay"}
@@ -71,6 +74,8 @@ class QHAdam(QHOptimizer):
             "differentiable": differentiable,
             "fused": fused,
             "amsgrad": amsgrad,
+            "state_dtype": state_dtype,
+            "stochastic_rounding": stochastic_rounding,
         }
         super().__init__(params, self._renamed({**defaults, **legacy}, warn=True))
         self._setup_fused()
@@ -120,11 +125,15 @@ class QHAdam(QHOptimizer):
         )
         self._check_decay(group)
         validation.check_bool(group.get("amsgrad", False), "amsgrad")
+        _state_dtype.check_state_dtype(group)
 
     def _upgrade_group(self, group: dict[str, Any]) -> None:
         # State dicts of qhoptim before amsgrad (1.1.0's included) lack the flag;
         # as torch.optim.Adam, a loaded group keeps its own hyperparameters.
         group.setdefault("amsgrad", False)
+        group.setdefault("state_dtype", None)
+        group.setdefault("stochastic_rounding", None)
+        self._narrow_state(group, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
         for p in group["params"]:
             p_state = self.state.get(p, {})
             if len(p_state) == 0:
@@ -164,10 +173,13 @@ class QHAdam(QHOptimizer):
                 # As torch's Adam: the step count lives on the CPU unless
                 # capturable or fused.
                 state["step"] = torch.zeros((), **self._step_dtype_and_device(group, p))
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                narrow = group["state_dtype"] if _state_dtype.narrow(group, p) else None
+                state["exp_avg"] = torch.zeros_like(
+                    p, dtype=narrow, memory_format=torch.preserve_format
+                )
                 # |g|^2 is real: a complex parameter has a real second moment.
                 state["exp_avg_sq"] = torch.zeros_like(
-                    p, dtype=p.real.dtype, memory_format=torch.preserve_format
+                    p, dtype=narrow or p.real.dtype, memory_format=torch.preserve_format
                 )
             if group["amsgrad"] and "max_exp_avg_sq" not in state:
                 # New state, or amsgrad switched on in a group stepped without it:
@@ -196,8 +208,32 @@ class QHAdam(QHOptimizer):
         has_complex = self._init_group(
             group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
         )
+        moments = [exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if group["amsgrad"] else [])]
+        self._step_lists(
+            group,
+            params,
+            grads,
+            moments,
+            state_steps,
+            lambda ps, gs, lists, steps, seeds: self._qhadam(
+                group, has_complex, ps, gs, lists, steps, seeds
+            ),
+            count_steps=False,
+        )
+
+    def _qhadam(
+        self,
+        group: dict[str, Any],
+        has_complex: bool,
+        params: list[Tensor],
+        grads: list[Tensor],
+        moments: list[list[Tensor]],
+        state_steps: list[Tensor],
+        state_seeds: list[list[int]] | None,
+    ) -> None:
         beta1, beta2 = group["betas"]
         nu1, nu2 = group["nus"]
+        exp_avgs, exp_avg_sqs, *maxes = moments
         qhadam(
             params,
             grads,
@@ -219,7 +255,8 @@ class QHAdam(QHOptimizer):
             decoupled_weight_decay=group["decoupled_weight_decay"],
             maximize=group["maximize"],
             amsgrad=group["amsgrad"],
-            max_exp_avg_sqs=max_exp_avg_sqs,
+            max_exp_avg_sqs=maxes[0] if maxes else [],
+            state_seeds=state_seeds,
             **self._amp_tensors(),
         )
 
@@ -310,6 +347,7 @@ _QHADAM_FLAGS_DOC = rf"""
             CPU, Triton kernels on CUDA (default: None, i.e. False)
         amsgrad (bool, optional): the AMSGrad variant, as ``torch.optim.Adam``'s
             ``amsgrad``; not with ``fused=True`` on CUDA (default: False)
+        {state_dtype_doc}
 """
 
 QHAdam.__doc__ = (
@@ -358,6 +396,8 @@ class QHAdamW(QHAdam):
         differentiable: bool = False,
         fused: bool | None = None,
         amsgrad: bool = False,
+        state_dtype: torch.dtype | None = None,
+        stochastic_rounding: bool | None = None,
         **legacy: Any,
     ) -> None:
         super().__init__(
@@ -374,6 +414,8 @@ class QHAdamW(QHAdam):
             differentiable=differentiable,
             fused=fused,
             amsgrad=amsgrad,
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
             **legacy,
         )
 
@@ -541,6 +583,7 @@ def qhadam(
     maximize: bool,
     amsgrad: bool = False,
     max_exp_avg_sqs: list[Tensor] | None = None,
+    state_seeds: list[list[int]] | None = None,
 ) -> None:
     r"""Functional API that performs the QHAdam computation in place.
 
@@ -553,6 +596,9 @@ def qhadam(
     as ``torch.amp.GradScaler`` sets them on the optimizer). ``amsgrad=True``
     (as ``torch.optim.adam``'s) needs ``max_exp_avg_sqs``, the running maxima
     of the second moments (real, zeros before the first step), updated here.
+    ``state_seeds`` (with ``fused=True``, float32 CPU parameters): the moments
+    are bfloat16 (``QHAdam(state_dtype=torch.bfloat16)``), rounded
+    stochastically with these seeds, one per moment and tensor.
     """
     if not torch.compiler.is_compiling() and not all(isinstance(t, Tensor) for t in state_steps):
         raise RuntimeError("`state_steps` must be a list of singleton tensors")
@@ -587,8 +633,11 @@ def qhadam(
             grad_scale=grad_scale,
             found_inf=found_inf,
             max_exp_avg_sqs=maxes,
+            state_seeds=state_seeds,
         )
         return
+    if state_seeds is not None:
+        raise ValueError("state_seeds needs fused=True (bfloat16 state in the fused CPU kernel)")
     # A gradient that shares storage with its parameter is read before it is written.
     grads = unalias_grads(params, grads)
     if foreach is None:

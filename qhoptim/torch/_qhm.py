@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from qhoptim import convert, validation
-from qhoptim.torch import _fused, _kernels
+from qhoptim.torch import _fused, _kernels, _state_dtype
 from qhoptim.torch._optimizer import (
     QHOptimizer,
     capturable_doc,
@@ -27,6 +27,7 @@ from qhoptim.torch._optimizer import (
     params_doc,
     required,
     scalar_lr,
+    state_dtype_doc,
     unalias_grads,
 )
 
@@ -61,6 +62,8 @@ class QHM(QHOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        state_dtype: torch.dtype | None = None,
+        stochastic_rounding: bool | None = None,
         **legacy: Any,
     ) -> None:
         if isinstance(decoupled_weight_decay, str):  # 1.1.0's positional weight_decay_type
@@ -80,12 +83,19 @@ class QHM(QHOptimizer):
             "capturable": capturable,
             "differentiable": differentiable,
             "fused": fused,
+            "state_dtype": state_dtype,
+            "stochastic_rounding": stochastic_rounding,
         }
         super().__init__(params, self._renamed({**defaults, **legacy}, warn=True))
         self._setup_fused()
 
     _GROUP_KEYS = ("lr", "momentum", "nu", "weight_decay")
-    _STATE_KEYS = (frozenset(), frozenset({"momentum_buffer"}))
+    # With a narrow state_dtype QHM also counts its steps (the rounding's seed).
+    _STATE_KEYS = (
+        frozenset(),
+        frozenset({"momentum_buffer"}),
+        frozenset({"momentum_buffer", "step"}),
+    )
     _LEGACY_DECAY_KEY = "weight_decay_type"
 
     @staticmethod
@@ -102,11 +112,18 @@ class QHM(QHOptimizer):
         numbers_only(hparams)
         validation.check_qhm(lr=lr_value(group["lr"]), **hparams)
         self._check_decay(group)
+        _state_dtype.check_state_dtype(group)
 
     def _upgrade_group(self, group: dict[str, Any]) -> None:
         # qhoptim 1.1.0's state is the same; only complex state needs a cast.
+        group.setdefault("state_dtype", None)
+        group.setdefault("stochastic_rounding", None)
         for p in group["params"]:
-            cast_complex_state(p, self.state.get(p, {}))
+            p_state = self.state.get(p, {})
+            cast_complex_state(p, p_state)
+            if torch.is_tensor(p_state.get("step")):
+                p_state["step"] = p_state["step"].detach().reshape(()).to(torch.float64)
+        self._narrow_state(group, ("momentum_buffer",))
 
     def _init_group(
         self,
@@ -117,8 +134,15 @@ class QHM(QHOptimizer):
     ) -> bool:
         states, has_complex = self._gather(group, params, grads)
         for p, state in zip(params, states, strict=True):
+            narrow = _state_dtype.narrow(group, p)
             if len(state) == 0:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(
+                    p,
+                    dtype=group["state_dtype"] if narrow else None,
+                    memory_format=torch.preserve_format,
+                )
+            if narrow and "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float64)
             momentum_buffers.append(state["momentum_buffer"])
         return has_complex
 
@@ -127,6 +151,27 @@ class QHM(QHOptimizer):
         grads: list[Tensor] = []
         momentum_buffers: list[Tensor] = []
         has_complex = self._init_group(group, params, grads, momentum_buffers)
+        # The step counts of narrow states (the rounding's seed), None elsewhere.
+        steps = [self.state[p].get("step") for p in params]
+        self._step_lists(
+            group,
+            params,
+            grads,
+            [momentum_buffers],
+            steps,
+            lambda ps, gs, lists, _, seeds: self._qhm(group, has_complex, ps, gs, lists[0], seeds),
+            count_steps=True,
+        )
+
+    def _qhm(
+        self,
+        group: dict[str, Any],
+        has_complex: bool,
+        params: list[Tensor],
+        grads: list[Tensor],
+        momentum_buffers: list[Tensor],
+        state_seeds: list[list[int]] | None,
+    ) -> None:
         qhm(
             params,
             grads,
@@ -142,6 +187,7 @@ class QHM(QHOptimizer):
             weight_decay=group["weight_decay"],
             decoupled_weight_decay=group["decoupled_weight_decay"],
             maximize=group["maximize"],
+            state_seeds=state_seeds,
             **self._amp_tensors(),
         )
 
@@ -207,6 +253,9 @@ QHM.__doc__ = rf"""Quasi-hyperbolic momentum (QHM) of `Ma and Yarats (2019)`_.
             device (the loop through :func:`qhoptim.rules.qhm_update`, foreach
             with the tensor as a kernel operand).
         {differentiable_doc}
+        fused (bool, optional): one pass over memory per step: a C++ kernel on
+            CPU, Triton kernels on CUDA (default: None, i.e. False)
+        {state_dtype_doc}
 
     Example:
         >>> optimizer = QHM(model.parameters(), lr=1.0, momentum=0.999, nu=0.7)
@@ -279,6 +328,7 @@ def qhm(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
+    state_seeds: list[list[int]] | None = None,
 ) -> None:
     r"""Functional API that performs the QHM computation in place.
 
@@ -286,7 +336,10 @@ def qhm(
     buffers (zeros before the first step). ``has_complex`` is accepted for
     torch's functional signature; complex tensors are recognised per tensor.
     ``fused=True`` takes the fused kernels (``grad_scale`` and ``found_inf``
-    as ``torch.amp.GradScaler`` sets them on the optimizer).
+    as ``torch.amp.GradScaler`` sets them on the optimizer). ``state_seeds``
+    (with ``fused=True``, float32 CPU parameters): the buffers are bfloat16
+    (``QHM(state_dtype=torch.bfloat16)``), rounded stochastically with these
+    seeds, ``[seed]`` per tensor.
     """
     hp = _kernels.QHMHyperparameters(
         scalar_lr(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize
@@ -294,9 +347,17 @@ def qhm(
     if fused:
         # The fused kernels handle a gradient aliasing its parameter themselves.
         _fused.fused_qhm(
-            params, grads, momentum_buffers, hp, grad_scale=grad_scale, found_inf=found_inf
+            params,
+            grads,
+            momentum_buffers,
+            hp,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            state_seeds=state_seeds,
         )
         return
+    if state_seeds is not None:
+        raise ValueError("state_seeds needs fused=True (bfloat16 state in the fused CPU kernel)")
     # A gradient that shares storage with its parameter is read before it is written.
     grads = unalias_grads(params, grads)
     if foreach is None:

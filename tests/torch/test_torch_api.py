@@ -221,7 +221,10 @@ def test_signatures_extend_qhoptim_1_1_0() -> None:
             "capturable",
             "differentiable",
             "fused",
-        ] + (["amsgrad"] if cls is not QHM else [])
+            *(["amsgrad"] if cls is not QHM else []),
+            "state_dtype",
+            "stochastic_rounding",
+        ]
 
 
 def test_defaults() -> None:

@@ -13,13 +13,21 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGrain = 1 << 15;
+
+template <typename T>
+struct type_tag {
+  using type = T;
+};
 
 // torch.maximum's: NaN if either is NaN (as the foreach path's _foreach_maximum_).
 template <typename T>
@@ -34,18 +42,55 @@ inline T lerp(T start, T end, T weight) {
                          : end - (end - start) * (T(1) - weight);
 }
 
-void check_lists(const std::vector<at::Tensor>& params,
-                 const std::vector<std::vector<at::Tensor>>& others) {
-  for (const auto& list : others) {
+// grads: the gradients, of the parameters' dtype; states: the state lists, of
+// the parameters' dtype or all of `state_dtype` (a narrower bfloat16 state).
+void check_lists(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<std::vector<at::Tensor>>& states, bool narrow) {
+  TORCH_CHECK(grads.size() == params.size(), "qhoptim fused: tensor lists differ in length");
+  for (const auto& list : states) {
     TORCH_CHECK(list.size() == params.size(), "qhoptim fused: tensor lists differ in length");
   }
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK(params[i].is_contiguous(), "qhoptim fused: parameters must be contiguous");
-    for (const auto& list : others) {
+    TORCH_CHECK(grads[i].is_contiguous() && grads[i].numel() == params[i].numel() &&
+                    grads[i].scalar_type() == params[i].scalar_type(),
+                "qhoptim fused: gradients must match their parameter");
+    for (const auto& list : states) {
+      const auto want = narrow ? at::kBFloat16 : params[i].scalar_type();
       TORCH_CHECK(list[i].is_contiguous() && list[i].numel() == params[i].numel() &&
-                      list[i].scalar_type() == params[i].scalar_type(),
-                  "qhoptim fused: state and gradients must match their parameter");
+                      list[i].scalar_type() == want,
+                  "qhoptim fused: the state must match its parameter (or be bfloat16 state)");
     }
+  }
+}
+
+// A 32-bit hash of a seed and an element's position (lowbias32's mixer): the
+// stochastic rounding's noise, counter-based. qhoptim.torch._state_dtype.hash32
+// computes the same numbers with torch's integer ops for the other paths.
+inline uint32_t hash32(uint32_t seed, int64_t i) {
+  uint32_t x = static_cast<uint32_t>(i ^ (i >> 32)) * 0x9E3779B9u ^ seed;
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// A state value stored: in the state's own dtype, or (SR) a float32 value
+// rounded stochastically to bfloat16 -- the low 16 bits of its pattern plus
+// 16 random bits carry into the kept half exactly as often as they are
+// large, which makes the rounding unbiased.
+template <typename state_t, bool SR, typename opmath_t>
+inline state_t store(opmath_t value, uint32_t seed, int64_t i) {
+  if constexpr (SR) {
+    const float f = static_cast<float>(value);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits = (bits + (hash32(seed, i) & 0xFFFFu)) & 0xFFFF0000u;
+    return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+  } else {
+    return static_cast<state_t>(value);
   }
 }
 
@@ -62,33 +107,34 @@ at::Tensor readable_grad(const at::Tensor& param, const at::Tensor& grad) {
 }
 
 // One chunk of a QHM step. The pointers do not alias and the coefficients are
-// values, so the compiler vectorizes the loop without run-time checks.
-template <typename scalar_t, typename opmath_t>
-void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, scalar_t* __restrict__ b,
-               int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w, opmath_t bv,
-               opmath_t gv) {
+// values, so the compiler vectorizes the loop without run-time checks. `first`
+// is the chunk's position in the tensor (the rounding noise's counter).
+template <typename scalar_t, typename state_t, bool SR, typename opmath_t>
+void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t* __restrict__ b,
+               int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w,
+               opmath_t bv, opmath_t gv, uint32_t seed) {
   for (int64_t i = 0; i < n; ++i) {
     const opmath_t pi = static_cast<opmath_t>(p[i]);
     const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
     const opmath_t bi = lerp(static_cast<opmath_t>(b[i]), gi, w);
-    b[i] = static_cast<scalar_t>(bi);
+    b[i] = store<state_t, SR>(bi, seed, first + i);
     p[i] = static_cast<scalar_t>(pi * df + bv * bi + gv * gi);
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename state_t, bool SR>
 void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, double grad_multiplier,
                 double coupled_weight_decay, double decay_factor, double grad_to_buffer,
-                double buffer_value, double grad_value) {
+                double buffer_value, double grad_value, uint32_t seed) {
   using opmath_t = at::opmath_type<scalar_t>;
   scalar_t* p = param.data_ptr<scalar_t>();
   const scalar_t* g = grad.data_ptr<scalar_t>();
-  scalar_t* b = buf.data_ptr<scalar_t>();
+  state_t* b = buf.data_ptr<state_t>();
   const opmath_t gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
                  w = grad_to_buffer, bv = buffer_value, gv = grad_value;
   at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
-    qhm_chunk<scalar_t, opmath_t>(p + begin, g + begin, b + begin, end - begin, gm, wd, df, w,
-                                  bv, gv);
+    qhm_chunk<scalar_t, state_t, SR, opmath_t>(p + begin, g + begin, b + begin, begin,
+                                                end - begin, gm, wd, df, w, bv, gv, seed);
   });
 }
 
@@ -97,11 +143,12 @@ void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, doub
 // AMSGRAD: v keeps the running maximum of the (uncorrected) second moment,
 // which the denominator reads in its place (qhoptim.rules.qhadam_amsgrad_update,
 // with the same folded coefficients); without it v is unused.
-template <typename scalar_t, typename opmath_t, int FORM, bool AMSGRAD>
+template <typename scalar_t, typename state_t, bool SR, typename opmath_t, int FORM, bool AMSGRAD>
 void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
-                  scalar_t* __restrict__ m, scalar_t* __restrict__ s, scalar_t* __restrict__ v,
-                  int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w1, opmath_t b2,
-                  opmath_t w2, opmath_t sw, opmath_t gw, opmath_t eps, opmath_t mv, opmath_t gv) {
+                  state_t* __restrict__ m, state_t* __restrict__ s, state_t* __restrict__ v,
+                  int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w1,
+                  opmath_t b2, opmath_t w2, opmath_t sw, opmath_t gw, opmath_t eps, opmath_t mv,
+                  opmath_t gv, const uint32_t* seeds) {
   for (int64_t i = 0; i < n; ++i) {
     const opmath_t pi = static_cast<opmath_t>(p[i]);
     const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
@@ -111,7 +158,7 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
     opmath_t di = si;
     if constexpr (AMSGRAD) {
       di = nan_max(static_cast<opmath_t>(v[i]), si);
-      v[i] = static_cast<scalar_t>(di);
+      v[i] = store<state_t, SR>(di, seeds[2], first + i);
     }
     opmath_t base;
     if constexpr (FORM == 0) {
@@ -121,32 +168,51 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
     } else {
       base = std::sqrt(sw * di + gw * (gi * gi));
     }
-    m[i] = static_cast<scalar_t>(mi);
-    s[i] = static_cast<scalar_t>(si);
+    m[i] = store<state_t, SR>(mi, seeds[0], first + i);
+    s[i] = store<state_t, SR>(si, seeds[1], first + i);
     p[i] = static_cast<scalar_t>(pi * df + (mv * mi + gv * gi) / (base + eps));
   }
 }
 
-template <typename scalar_t, int FORM, bool AMSGRAD>
+template <typename scalar_t, typename state_t, bool SR, int FORM, bool AMSGRAD>
 void qhadam_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                    at::Tensor& exp_avg_sq, at::Tensor* max_exp_avg_sq, const double* c,
                    double grad_multiplier, double coupled_weight_decay, double decay_factor,
-                   double exp_avg_lerp, double beta2, double one_minus_beta2) {
+                   double exp_avg_lerp, double beta2, double one_minus_beta2,
+                   const uint32_t* seeds) {
   using opmath_t = at::opmath_type<scalar_t>;
   scalar_t* p = param.data_ptr<scalar_t>();
   const scalar_t* g = grad.data_ptr<scalar_t>();
-  scalar_t* m = exp_avg.data_ptr<scalar_t>();
-  scalar_t* s = exp_avg_sq.data_ptr<scalar_t>();
-  scalar_t* v = AMSGRAD ? max_exp_avg_sq->data_ptr<scalar_t>() : nullptr;
+  state_t* m = exp_avg.data_ptr<state_t>();
+  state_t* s = exp_avg_sq.data_ptr<state_t>();
+  state_t* v = AMSGRAD ? max_exp_avg_sq->data_ptr<state_t>() : nullptr;
   const opmath_t gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
                  w1 = exp_avg_lerp, b2 = beta2, w2 = one_minus_beta2;
   // FoldedQHAdam: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value
   const opmath_t sw = c[0], gw = c[1], eps = c[2], mv = c[3], gv = c[4];
   at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
-    qhadam_chunk<scalar_t, opmath_t, FORM, AMSGRAD>(
-        p + begin, g + begin, m + begin, s + begin, AMSGRAD ? v + begin : nullptr, end - begin,
-        gm, wd, df, w1, b2, w2, sw, gw, eps, mv, gv);
+    qhadam_chunk<scalar_t, state_t, SR, opmath_t, FORM, AMSGRAD>(
+        p + begin, g + begin, m + begin, s + begin, AMSGRAD ? v + begin : nullptr, begin,
+        end - begin, gm, wd, df, w1, b2, w2, sw, gw, eps, mv, gv, seeds);
   });
+}
+
+// The seeds of a bfloat16 state's rounding: `seeds` is an int64 tensor [n, 3]
+// (one per state list and tensor, as qhoptim.torch._state_dtype.rounding_seed
+// makes them), or empty for a state of the parameters' dtype.
+std::vector<uint32_t> seed_table(const at::Tensor& seeds, size_t n) {
+  std::vector<uint32_t> out(3 * n, 0);
+  if (seeds.numel() == 0) {
+    return out;
+  }
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.is_contiguous() &&
+                  seeds.numel() == static_cast<int64_t>(n) * 3,
+              "qhoptim fused: seeds must be a contiguous int64 tensor [n, 3]");
+  const int64_t* s = seeds.data_ptr<int64_t>();
+  for (size_t i = 0; i < 3 * n; ++i) {
+    out[i] = static_cast<uint32_t>(s[i]);
+  }
+  return out;
 }
 
 }  // namespace
@@ -154,60 +220,88 @@ void qhadam_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_av
 void qhm_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
           std::vector<at::Tensor> momentum_buffers, double grad_multiplier,
           double coupled_weight_decay, double decay_factor, double grad_to_buffer,
-          double buffer_value, double grad_value) {
-  check_lists(params, {grads, momentum_buffers});
+          double buffer_value, double grad_value, at::Tensor seeds) {
+  const bool narrow = seeds.numel() > 0;
+  check_lists(params, grads, {momentum_buffers}, narrow);
+  TORCH_CHECK(!narrow || std::all_of(params.begin(), params.end(),
+                                     [](const at::Tensor& p) { return p.scalar_type() == at::kFloat; }),
+              "qhoptim fused: a bfloat16 state is for float32 parameters");
+  const std::vector<uint32_t> seed = seed_table(seeds, params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor grad = readable_grad(params[i], grads[i]);
+    if (narrow) {
+      qhm_tensor<float, c10::BFloat16, true>(params[i], grad, momentum_buffers[i],
+                                             grad_multiplier, coupled_weight_decay, decay_factor,
+                                             grad_to_buffer, buffer_value, grad_value, seed[3 * i]);
+      continue;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[i].scalar_type(), "qhm_", [&] {
-      qhm_tensor<scalar_t>(params[i], grad, momentum_buffers[i], grad_multiplier,
-                           coupled_weight_decay, decay_factor, grad_to_buffer, buffer_value,
-                           grad_value);
+      qhm_tensor<scalar_t, scalar_t, false>(params[i], grad, momentum_buffers[i], grad_multiplier,
+                                            coupled_weight_decay, decay_factor, grad_to_buffer,
+                                            buffer_value, grad_value, 0);
     });
   }
 }
 
 // max_exp_avg_sqs: the running maxima of the AMSGrad variant, or an empty list
-// for plain QHAdam.
+// for plain QHAdam. seeds: see seed_table.
 void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
              std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
              std::vector<at::Tensor> max_exp_avg_sqs, at::Tensor coefficients, int64_t form,
              double grad_multiplier, double coupled_weight_decay, double decay_factor,
-             double exp_avg_lerp, double beta2, double one_minus_beta2) {
+             double exp_avg_lerp, double beta2, double one_minus_beta2, at::Tensor seeds) {
   const bool amsgrad = !max_exp_avg_sqs.empty();
+  const bool narrow = seeds.numel() > 0;
   if (amsgrad) {
-    check_lists(params, {grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs});
+    check_lists(params, grads, {exp_avgs, exp_avg_sqs, max_exp_avg_sqs}, narrow);
   } else {
-    check_lists(params, {grads, exp_avgs, exp_avg_sqs});
+    check_lists(params, grads, {exp_avgs, exp_avg_sqs}, narrow);
   }
+  TORCH_CHECK(!narrow || std::all_of(params.begin(), params.end(),
+                                     [](const at::Tensor& p) { return p.scalar_type() == at::kFloat; }),
+              "qhoptim fused: a bfloat16 state is for float32 parameters");
   TORCH_CHECK(coefficients.scalar_type() == at::kDouble && coefficients.is_contiguous() &&
                   coefficients.numel() == static_cast<int64_t>(params.size()) * 5,
               "qhoptim fused: coefficients must be a contiguous float64 tensor [n, 5]");
   TORCH_CHECK(form >= 0 && form <= 2, "qhoptim fused: unknown denominator form");
   const double* c = coefficients.data_ptr<double>();
+  const std::vector<uint32_t> seed = seed_table(seeds, params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor grad = readable_grad(params[i], grads[i]);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[i].scalar_type(), "qhadam_", [&] {
-      auto run = [&](auto form_tag) {
+    at::Tensor* maxes = amsgrad ? &max_exp_avg_sqs[i] : nullptr;
+    // One kernel per parameter, state dtype, rounding, denominator form and amsgrad.
+    auto run = [&](auto scalar_tag, auto state_tag, auto sr_tag) {
+      using scalar_t = typename decltype(scalar_tag)::type;
+      using state_t = typename decltype(state_tag)::type;
+      constexpr bool kSR = decltype(sr_tag)::value;
+      auto with_form = [&](auto form_tag) {
         constexpr int kForm = decltype(form_tag)::value;
         if (amsgrad) {
-          qhadam_tensor<scalar_t, kForm, true>(
-              params[i], grad, exp_avgs[i], exp_avg_sqs[i], &max_exp_avg_sqs[i], c + 5 * i,
-              grad_multiplier, coupled_weight_decay, decay_factor, exp_avg_lerp, beta2,
-              one_minus_beta2);
+          qhadam_tensor<scalar_t, state_t, kSR, kForm, true>(
+              params[i], grad, exp_avgs[i], exp_avg_sqs[i], maxes, c + 5 * i, grad_multiplier,
+              coupled_weight_decay, decay_factor, exp_avg_lerp, beta2, one_minus_beta2,
+              seed.data() + 3 * i);
         } else {
-          qhadam_tensor<scalar_t, kForm, false>(
-              params[i], grad, exp_avgs[i], exp_avg_sqs[i], nullptr, c + 5 * i,
-              grad_multiplier, coupled_weight_decay, decay_factor, exp_avg_lerp, beta2,
-              one_minus_beta2);
+          qhadam_tensor<scalar_t, state_t, kSR, kForm, false>(
+              params[i], grad, exp_avgs[i], exp_avg_sqs[i], nullptr, c + 5 * i, grad_multiplier,
+              coupled_weight_decay, decay_factor, exp_avg_lerp, beta2, one_minus_beta2,
+              seed.data() + 3 * i);
         }
       };
       if (form == 0) {
-        run(std::integral_constant<int, 0>{});
+        with_form(std::integral_constant<int, 0>{});
       } else if (form == 1) {
-        run(std::integral_constant<int, 1>{});
+        with_form(std::integral_constant<int, 1>{});
       } else {
-        run(std::integral_constant<int, 2>{});
+        with_form(std::integral_constant<int, 2>{});
       }
+    };
+    if (narrow) {
+      run(type_tag<float>{}, type_tag<c10::BFloat16>{}, std::true_type{});
+      continue;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[i].scalar_type(), "qhadam_", [&] {
+      run(type_tag<scalar_t>{}, type_tag<scalar_t>{}, std::false_type{});
     });
   }
 }

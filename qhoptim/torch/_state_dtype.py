@@ -1,0 +1,214 @@
+"""Optimizer state in a narrower dtype than the parameters (``state_dtype``).
+
+QHM's momentum buffer and QHAdam's moments are stored in ``state_dtype``
+(``torch.bfloat16`` halves a float32 model's state: QHAdam 8 -> 4 bytes per
+parameter, QHM 4 -> 2). A step runs the ordinary kernels (per-tensor,
+foreach or fused) on working copies in the parameters' dtype, made for a few
+million values at a time, so that the step's peak memory falls with the
+stored state; the result is written back rounded to ``state_dtype``.
+
+Rounding to bfloat16 is stochastic by default: bfloat16 keeps 8 significant
+bits, and round-to-nearest would lose every EWMA increment smaller than half
+a unit in the last place -- with ``beta2 = 0.999`` the second moment would
+stop moving once ``(1 - beta2) * g**2`` falls below about ``2**-9`` of it.
+Stochastic rounding is unbiased, so the stored moments follow the float32
+ones on average. Its randomness is counter-based: the noise for a tensor is
+drawn from a generator seeded by the step number and the parameter's position
+in the optimizer (:func:`rounding_seed`), never from torch's global
+generator, so a run resumed from a checkpoint rounds exactly as the
+uninterrupted run. Other narrow dtypes (float16) round to nearest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "STATE_DTYPES",
+    "check_state_dtype",
+    "hash32",
+    "in_fused_kernel",
+    "narrow",
+    "rounding_seed",
+    "step_with_narrow_state",
+    "stochastic_round_",
+]
+
+#: The dtypes ``state_dtype`` may name (``None``: the parameter's own).
+STATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+# Working copies are made for about this many values at a time, and the
+# rounding noise for this many.
+CHUNK_VALUES = 1 << 22
+NOISE_VALUES = 1 << 20
+
+_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+
+
+def check_state_dtype(group: dict[str, Any]) -> None:
+    """A param group's ``state_dtype`` and ``stochastic_rounding``, with the flags they exclude."""
+    dtype = group.get("state_dtype")
+    if dtype is not None and dtype not in STATE_DTYPES:
+        names = ", ".join(str(d) for d in STATE_DTYPES)
+        raise ValueError(
+            f"state_dtype must be None or one of {names}; received state_dtype={dtype!r}"
+        )
+    rounding = group.get("stochastic_rounding")
+    if rounding is not None and not isinstance(rounding, bool):
+        raise TypeError(
+            f"stochastic_rounding must be None or a bool; received stochastic_rounding={rounding!r}"
+        )
+    if dtype is None:
+        return
+    for flag in ("capturable", "differentiable"):
+        if group.get(flag):
+            raise ValueError(
+                f"state_dtype is not supported with {flag}=True: the step makes working "
+                "copies of the state and draws its rounding noise on the host"
+            )
+    for p in group.get("params", []):
+        if not isinstance(p, Tensor):
+            continue
+        if p.is_complex():
+            raise ValueError("state_dtype applies to real parameters; received a complex one")
+        if dtype.itemsize > p.dtype.itemsize:
+            raise ValueError(
+                f"state_dtype={dtype} is wider than a parameter's dtype {p.dtype}; "
+                "state_dtype stores the state in a narrower dtype"
+            )
+
+
+def narrow(group: dict[str, Any], param: Tensor) -> bool:
+    """Whether ``param``'s state is stored narrower than the parameter."""
+    dtype = group.get("state_dtype")
+    return dtype is not None and dtype != param.dtype
+
+
+def in_fused_kernel(group: dict[str, Any], params: Sequence[Tensor]) -> bool:
+    """Whether the fused CPU kernel steps these parameters' bfloat16 state itself:
+    ``fused=True``, float32 CPU parameters, bfloat16 state, stochastic rounding."""
+    return (
+        bool(group.get("fused"))
+        and group.get("state_dtype") == torch.bfloat16
+        and group.get("stochastic_rounding") is not False
+        and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+    )
+
+
+def rounding_seed(step: float, index: int) -> int:
+    """The 32-bit seed of the rounding noise of state ``index`` (4 per parameter,
+    by its position in the optimizer) after step ``step``: splitmix64 of both,
+    so that neighbouring steps and tensors draw unrelated noise."""
+    x = ((int(step) << 32) ^ index) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & _MASK32
+
+
+def hash32(seed: int, start: int, stop: int, device: torch.device) -> Tensor:
+    """The noise counter hash of the elements at positions ``start .. stop-1`` of
+    a tensor under ``seed`` (int64 values below 2**32): lowbias32's mixer of
+    ``position * 0x9E3779B9 ^ seed``, the numbers the fused CPU kernel computes
+    per element (``hash32`` in ``csrc/fused_cpu.cpp``; a test holds the two
+    paths to the same bits)."""
+    i = torch.arange(start, stop, dtype=torch.int64, device=device)
+    x = (((i ^ (i >> 32)) & _MASK32) * 0x9E3779B9) & _MASK32
+    x ^= seed
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32  # wraps past 2**63; the low 32 bits are exact
+    x ^= x >> 16
+    return x
+
+
+def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> None:
+    """``dst`` (bfloat16) <- ``src`` rounded stochastically: up with probability
+    equal to the distance to the value below, in units of bfloat16's last place.
+
+    ``src`` is read as float32 (a float64 copy is first rounded to float32).
+    A bfloat16 value is the top half of a float32's bits: 16 random bits added
+    to the bottom half, then cut off, round up exactly that often. Values that
+    bfloat16 holds exactly (zero and inf included) are unchanged, and NaN stays
+    NaN. The noise is :func:`hash32` of ``seed`` and each element's position,
+    counted from ``start`` (``src`` a slice of a tensor that starts there); it
+    is made :data:`NOISE_VALUES` at a time, which bounds its temporaries.
+    """
+    x = src.to(torch.float32).contiguous().view(-1)
+    out = dst.view(-1)
+    for a in range(0, x.numel(), NOISE_VALUES):
+        b = min(a + NOISE_VALUES, x.numel())
+        noise = (hash32(seed, start + a, start + b, x.device) & 0xFFFF).to(torch.int32)
+        bits = noise.add_(x[a:b].view(torch.int32)).bitwise_and_(-65536)  # src is not written
+        out[a:b].copy_(bits.view(torch.float32))
+
+
+def write_back_(
+    dst: Tensor, src: Tensor, seed: int, stochastic: bool | None, start: int = 0
+) -> None:
+    """Store the working copy ``src`` in ``dst``'s dtype (``stochastic``: None means
+    stochastic for bfloat16); ``start`` as for :func:`stochastic_round_`."""
+    if dst.dtype == torch.bfloat16 and stochastic is not False:
+        stochastic_round_(dst, src, seed, start)
+    else:
+        dst.copy_(src)
+
+
+def _pieces(params: Sequence[Tensor]) -> list[list[tuple[int, int, int]]]:
+    """Runs of ``(position, start, stop)`` -- whole tensors, and slices of the
+    flattened ones larger than :data:`CHUNK_VALUES` -- of about that many values
+    together."""
+    runs: list[list[tuple[int, int, int]]] = [[]]
+    size = 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        for start in range(0, max(n, 1), CHUNK_VALUES):
+            stop = min(start + CHUNK_VALUES, n)
+            if size > 0 and size + (stop - start) > CHUNK_VALUES:
+                runs.append([])
+                size = 0
+            runs[-1].append((i, start, stop))
+            size += stop - start
+    return [run for run in runs if run]
+
+
+def _piece(t: Tensor, start: int, stop: int) -> Tensor:
+    """The slice ``start:stop`` of ``t`` flattened (``t`` itself when whole)."""
+    return t if start == 0 and stop == t.numel() else t.view(-1)[start:stop]
+
+
+def step_with_narrow_state(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state_lists: list[list[Tensor]],
+    step: Callable[[list[int], list[Tensor], list[Tensor], list[list[Tensor]]], None],
+    seeds: list[list[int]],
+    stochastic: bool | None,
+) -> None:
+    """Run ``step(positions, params, grads, working_lists)`` piece by piece on
+    working copies of ``state_lists`` (each aligned with ``params``) in the
+    parameters' dtype, then write each back: the ``k``-th state of the
+    parameter at ``position`` rounded with ``seeds[position][k]``.
+
+    A piece is a tensor, or a slice of a tensor larger than
+    :data:`CHUNK_VALUES` (the update is element-wise), so the working copies
+    never hold much more than that many values per state list; the noise of a
+    slice is that of the same elements of the whole tensor. ``positions``
+    repeats a position for each slice of its tensor.
+    """
+    for run in _pieces(params):
+        positions = [i for i, _, _ in run]
+        ps = [_piece(params[i], a, b) for i, a, b in run]
+        gs = [_piece(grads[i], a, b) for i, a, b in run]
+        stored = [[_piece(lst[i], a, b) for i, a, b in run] for lst in state_lists]
+        work = [[s.to(p.dtype) for s, p in zip(lst, ps, strict=True)] for lst in stored]
+        step(positions, ps, gs, work)
+        for k, (lst, wl) in enumerate(zip(stored, work, strict=True)):
+            for (i, a, _), s, w in zip(run, lst, wl, strict=True):
+                write_back_(s, w, seeds[i][k], stochastic, a)
