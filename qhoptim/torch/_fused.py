@@ -226,14 +226,27 @@ def _locals(ts: list[Tensor]) -> list[Tensor]:
 
 
 def _groups_with_indices(
-    tensorlists: list[list[Tensor]],
+    tensorlists: list[list[Tensor]], *, by: int | None = None
 ) -> list[tuple[torch.device, list[Any]]]:
     """The lists by device and dtype (DTensors as their local shards), each group's
-    positions in the lists last."""
+    positions in the lists last.
+
+    ``by``: group by the first ``by`` lists only and take the others at the same
+    positions -- for a bfloat16 state beside float32 parameters, which torch's
+    grouping (before 2.13) refuses as a mix of dtypes.
+    """
     tensorlists = [_locals(ts) for ts in tensorlists]
-    grouped = group_by_device_and_dtype(tensorlists, with_indices=True)
+    n = len(tensorlists) if by is None else by
+    grouped = group_by_device_and_dtype(tensorlists[:n], with_indices=True)
     return [
-        (cast(torch.device, device), [*(cast(list[Tensor], ts) for ts in lists), indices])
+        (
+            cast(torch.device, device),
+            [
+                *(cast(list[Tensor], ts) for ts in lists),
+                *([ts[i] for i in indices] for ts in tensorlists[n:]),
+                indices,
+            ],
+        )
         for (device, _), (lists, indices) in grouped.items()
     ]
 
@@ -255,7 +268,8 @@ def fused_qhm(
     :mod:`qhoptim.torch._state_dtype`).
     """
     c = rules.qhm_coefficients(hp.momentum, hp.nu)
-    for device, (*lists, indices) in _groups_with_indices([params, grads, momentum_buffers]):
+    by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
+    for device, (*lists, indices) in _groups_with_indices([params, grads, momentum_buffers], by=by):
         seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, bufs):
             if device.type == "cuda":
@@ -323,7 +337,10 @@ def fused_qhadam(
     if hp.amsgrad:
         check_fused_amsgrad(params)
         tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
-    for device, (*lists, steps, indices) in _groups_with_indices([*tensorlists, state_steps]):
+    by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
+    for device, (*lists, steps, indices) in _groups_with_indices(
+        [*tensorlists, state_steps], by=by
+    ):
         seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
             if device.type == "cuda":

@@ -207,3 +207,32 @@ def test_float32_coefficients_beyond_the_range_complete_the_step_on_cuda(
     for got, want in zip(run("cuda"), run("cpu"), strict=True):
         both = torch.isfinite(got) & torch.isfinite(want)
         torch.testing.assert_close(got[both], want[both], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("path", ["loop", "foreach", "fused"])
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_bfloat16_state_on_cuda_follows_float32_state_and_resumes_exactly(
+    cls: type, kwargs: dict[str, Any], path: str
+) -> None:
+    import copy
+
+    def make(params: list[torch.Tensor], state_dtype: torch.dtype | None) -> Any:
+        return cls(params, **kwargs, **CUDA_PATHS[path], state_dtype=state_dtype)
+
+    wide, narrow = _cuda_params(torch.float32), _cuda_params(torch.float32)
+    opt_wide, opt_narrow = make(wide, None), make(narrow, torch.bfloat16)
+    grads = random_grads(SHAPES, 30)
+    _run(opt_wide, wide, grads)
+    _run(opt_narrow, narrow, grads)
+    for state in opt_narrow.state.values():
+        assert all(v.dtype == torch.bfloat16 for k, v in state.items() if k != "step")
+    for a, b in zip(wide, narrow, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3)
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in narrow]
+    resumed = make(resumed_params, torch.bfloat16)
+    resumed.load_state_dict(copy.deepcopy(opt_narrow.state_dict()))
+    more = random_grads(SHAPES, 3)
+    _run(opt_narrow, narrow, more)
+    _run(resumed, resumed_params, more)
+    for a, b in zip(narrow, resumed_params, strict=True):
+        assert torch.equal(a, b)
