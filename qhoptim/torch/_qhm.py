@@ -151,8 +151,12 @@ class QHM(QHOptimizer):
         grads: list[Tensor] = []
         momentum_buffers: list[Tensor] = []
         has_complex = self._init_group(group, params, grads, momentum_buffers)
-        # The step counts of narrow states (the rounding's seed), None elsewhere.
-        steps = [self.state[p].get("step") for p in params]
+        # The step counts of narrow states (the rounding's seed); none are read
+        # (nor looked up, on the step's hot path) without a state_dtype.
+        if group.get("state_dtype") is None:
+            steps: list[Any] = [None] * len(params)
+        else:
+            steps = [self.state[p].get("step") for p in params]
         self._step_lists(
             group,
             params,
