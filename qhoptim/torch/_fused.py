@@ -282,6 +282,7 @@ def fused_qhm(
                 continue
             lr = float(hp.lr)
             coupled, decay = _decay(hp, lr)
+            buffer_value, grad_value = rules.fold_qhm(c, lr)
             _cpu_extension().qhm_(
                 ps,
                 gs,
@@ -290,8 +291,8 @@ def fused_qhm(
                 coupled,
                 decay,
                 c.grad_to_buffer,
-                -lr * c.buffer_weight,
-                -lr * c.grad_weight,
+                buffer_value,
+                grad_value,
                 seeds,
             )
 
