@@ -36,11 +36,12 @@ except ImportError as error:  # pragma: no cover - exercised where JAX or optax 
         'Install them with `pip install "qhoptim[jax]"`.'
     ) from error
 
-from qhoptim import convert, rules, validation
+from qhoptim import convert, rounding, rules, validation
 
 __all__ = [
     "ScaleByQHAdamAmsgradState",
     "ScaleByQHAdamState",
+    "ScaleByQHMCountState",
     "ScaleByQHMState",
     "from_params",
     "qhadam",
@@ -56,6 +57,14 @@ ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
 class ScaleByQHMState(NamedTuple):
     """State of :func:`scale_by_qhm`: the normalized momentum buffer ``g``."""
 
+    momentum_buffer: optax.Updates
+
+
+class ScaleByQHMCountState(NamedTuple):
+    """State of :func:`scale_by_qhm` with a ``state_dtype``: the buffer, and the
+    number of updates taken, which seeds the buffer's stochastic rounding."""
+
+    count: jax.Array  # type: ignore[assignment]  # shape=(), int32
     momentum_buffer: optax.Updates
 
 
@@ -158,6 +167,61 @@ def _bias_correction(beta: float | jax.Array, count: jax.Array) -> jax.Array:
     return jnp.asarray(rules.bias_correction(beta_value, count, expm1=jnp.expm1))
 
 
+# ------------------------------------------------------------- narrow state
+# JAX's uint32 arrays wrap; a Python int above 2**31 - 1 beside one is refused.
+_BITS = rounding.Bits(const=lambda c: jnp.asarray(c, jnp.uint32))
+
+
+def _state_dtype(state_dtype: Any, stochastic_rounding: Any, **others: Any) -> Any:
+    """The checked ``state_dtype`` (canonical), alone among the dtype arguments ``others``."""
+    rounding.check_stochastic_rounding(stochastic_rounding)
+    if state_dtype is None:
+        return None
+    try:
+        name: str | None = jnp.dtype(state_dtype).name
+    except TypeError:
+        name = None
+    rounding.check_state_dtype(name, state_dtype, allowed=rounding.STATE_DTYPES)
+    for other, value in others.items():
+        if value is not None:
+            raise ValueError(
+                f"state_dtype and {other} both set the state's dtype; give one "
+                f"(received state_dtype={state_dtype!r}, {other}={value!r})"
+            )
+    return _canonical_dtype(state_dtype)
+
+
+def _check_narrow_params(params: optax.Params, state_dtype: Any) -> None:
+    """Refuse parameters a narrow state cannot follow: complex or narrower than it."""
+    for p in jax.tree.leaves(params):
+        dtype = jnp.dtype(p.dtype)
+        rounding.check_real(jnp.issubdtype(dtype, jnp.complexfloating))
+        state = jnp.dtype(state_dtype)
+        rounding.check_narrower(state.name, state.itemsize, dtype.name, dtype.itemsize)
+
+
+def _rounding_seed(count: jax.Array, index: int) -> jax.Array:
+    """The rounding seed (:func:`qhoptim.rounding.rounding_seed`) of state ``index``
+    after update ``count`` (traced under ``jit``)."""
+    return rounding.rounding_seed(count.astype(jnp.uint32), jnp.uint32(index), _BITS)  # type: ignore[no-any-return]
+
+
+def _store(value: jax.Array, dtype: Any, seed: jax.Array, stochastic: bool) -> jax.Array:
+    """``value`` (a step's new state) stored in ``dtype``: to bfloat16 rounded
+    stochastically with ``seed`` (:mod:`qhoptim.rounding`), otherwise cast.
+
+    The noise of each element is the hash of its flat position, so XLA makes it
+    inside the update's fused loop, never as an array of its own.
+    """
+    if not (stochastic and dtype == jnp.bfloat16 and value.dtype != jnp.bfloat16):
+        return value.astype(dtype)
+    x = value.astype(jnp.float32)
+    positions = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    noise = rounding.noise16(positions, seed, _BITS)
+    bits = rounding.round_bits(jax.lax.bitcast_convert_type(x, jnp.uint32), noise, _BITS)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+
+
 def _check_learning_rate(learning_rate: ScalarOrSchedule) -> ScalarOrSchedule:
     """The checked learning rate; a concrete scalar (a one-element array) as a float."""
     if callable(learning_rate):
@@ -171,6 +235,8 @@ def scale_by_qhm(
     nu: float | jax.Array = 0.7,
     *,
     accumulator_dtype: Any | None = None,
+    state_dtype: Any | None = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescale updates by quasi-hyperbolic momentum (QHM).
 
@@ -189,10 +255,21 @@ def scale_by_qhm(
       momentum: :math:`\beta`, the buffer's discount factor, in ``[0, 1)``.
       nu: :math:`\nu`, the immediate discount factor; any finite real.
       accumulator_dtype: optional dtype of the momentum buffer; ``None`` uses
-        the parameters' dtype.
+        the parameters' dtype. As in ``optax.sgd``, the buffer is cast to it
+        (rounded to nearest) after each step.
+      state_dtype: optional dtype to *store* the buffer in, e.g.
+        ``jnp.bfloat16`` (half a float32 model's state); the step is computed
+        in the parameters' dtype and written back with
+        :mod:`qhoptim.rounding`'s stochastic rounding (bfloat16), so the buffer
+        follows the float32 one on average where rounding to nearest would
+        freeze it. Not with ``accumulator_dtype``; not wider than the parameters.
+      stochastic_rounding: with ``state_dtype``: ``None`` (stochastic for
+        bfloat16) or a bool; ``False`` rounds to nearest.
 
     Returns:
-      A :class:`optax.GradientTransformation` with state :class:`ScaleByQHMState`.
+      A :class:`optax.GradientTransformation` with state :class:`ScaleByQHMState`
+      (:class:`ScaleByQHMCountState` with a ``state_dtype``: its rounding is
+      seeded by the update count).
 
     References:
       Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
@@ -204,33 +281,61 @@ def scale_by_qhm(
     # traced values (jit, inject_hyperparams) stay arrays.
     momentum, nu = validation.as_float(momentum), validation.as_float(nu)
     accumulator_dtype = _canonical_dtype(accumulator_dtype)
+    state_dtype = _state_dtype(
+        state_dtype, stochastic_rounding, accumulator_dtype=accumulator_dtype
+    )
+    stochastic = rounding.stochastic(
+        None if state_dtype is None else jnp.dtype(state_dtype).name, stochastic_rounding
+    )
 
-    def init_fn(params: optax.Params) -> ScaleByQHMState:
-        return ScaleByQHMState(optax.tree.zeros_like(params, dtype=accumulator_dtype))
+    def init_fn(params: optax.Params) -> ScaleByQHMState | ScaleByQHMCountState:
+        if state_dtype is None:
+            return ScaleByQHMState(optax.tree.zeros_like(params, dtype=accumulator_dtype))
+        _check_narrow_params(params, state_dtype)
+        buffers = optax.tree.zeros_like(params, dtype=state_dtype)
+        return ScaleByQHMCountState(count=jnp.zeros([], jnp.int32), momentum_buffer=buffers)
 
     def update_fn(
-        updates: optax.Updates, state: ScaleByQHMState, params: optax.Params | None = None
-    ) -> tuple[optax.Updates, ScaleByQHMState]:
+        updates: optax.Updates,
+        state: ScaleByQHMState | ScaleByQHMCountState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, ScaleByQHMState | ScaleByQHMCountState]:
         del params
         grads, treedef = _flatten(updates)
         buffers = _leaves_like(treedef, state.momentum_buffer, "momentum_buffer")
+        count = None
+        if state_dtype is not None:
+            if not isinstance(state, ScaleByQHMCountState):
+                raise TypeError(
+                    "scale_by_qhm(state_dtype=...) needs its own state, ScaleByQHMCountState "
+                    f"(from its init); received {type(state).__name__}"
+                )
+            count = optax.safe_increment(state.count)
         new_updates: list[Any] = []
         new_buffers: list[Any] = []
-        for g, buf in zip(grads, buffers, strict=True):
+        for position, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
             if g is None:
                 new_updates.append(None)
                 new_buffers.append(buf)
                 continue
-            dtype = buf.dtype
+            # A narrow buffer steps in the gradient's dtype, then is stored narrow.
+            dtype = buf.dtype if state_dtype is None else _real_dtype(g.dtype)
             b, direction = rules.qhm_update(
-                g, buf, momentum=_cast(momentum, dtype), nu=_cast(nu, dtype)
+                g, buf.astype(dtype), momentum=_cast(momentum, dtype), nu=_cast(nu, dtype)
             )
             new_updates.append(direction.astype(g.dtype))
-            new_buffers.append(b.astype(dtype))
-        return (
-            jax.tree.unflatten(treedef, new_updates),
-            ScaleByQHMState(jax.tree.unflatten(treedef, new_buffers)),
-        )
+            if count is None:
+                new_buffers.append(b.astype(dtype))
+            else:
+                seed = _rounding_seed(count, 4 * position)
+                new_buffers.append(_store(b, buf.dtype, seed, stochastic))
+        buffer_tree = jax.tree.unflatten(treedef, new_buffers)
+        new_state: ScaleByQHMState | ScaleByQHMCountState
+        if count is None:
+            new_state = ScaleByQHMState(buffer_tree)
+        else:
+            new_state = ScaleByQHMCountState(count=count, momentum_buffer=buffer_tree)
+        return jax.tree.unflatten(treedef, new_updates), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -244,6 +349,8 @@ def scale_by_qhadam(
     *,
     mu_dtype: Any | None = None,
     amsgrad: bool = False,
+    state_dtype: Any | None = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescale updates according to QHAdam.
 
@@ -286,9 +393,18 @@ def scale_by_qhadam(
         below 1 tighten the worst-case step on spiky gradients.
       eps: term added to the denominator, ``>= 0``.
       mu_dtype: optional dtype of the first moment; ``None`` uses the
-        parameters' dtype.
+        parameters' dtype. As in ``optax.adam``, the moment is cast to it
+        (rounded to nearest) after each step.
       amsgrad: the AMSGrad variant (above); its state is
         :class:`ScaleByQHAdamAmsgradState`, with the running maximum ``nu_max``.
+      state_dtype: optional dtype to *store* both moments (and ``nu_max``) in,
+        e.g. ``jnp.bfloat16``: 4 bytes of state per float32 parameter instead
+        of 8. The step is computed in the parameters' dtype and written back
+        with :mod:`qhoptim.rounding`'s stochastic rounding (bfloat16), so the
+        moments follow the float32 ones on average where rounding to nearest
+        would freeze them. Not with ``mu_dtype``; not wider than the parameters.
+      stochastic_rounding: with ``state_dtype``: ``None`` (stochastic for
+        bfloat16) or a bool; ``False`` rounds to nearest.
 
     Returns:
       A :class:`optax.GradientTransformation` with state
@@ -311,12 +427,20 @@ def scale_by_qhadam(
     validation.check_bool(amsgrad, "amsgrad")
     b1, b2, nu1, nu2, eps = map(validation.as_float, (b1, b2, nu1, nu2, eps))
     mu_dtype = _canonical_dtype(mu_dtype)
+    state_dtype = _state_dtype(state_dtype, stochastic_rounding, mu_dtype=mu_dtype)
+    stochastic = rounding.stochastic(
+        None if state_dtype is None else jnp.dtype(state_dtype).name, stochastic_rounding
+    )
 
     def init_fn(params: optax.Params) -> ScaleByQHAdamState | ScaleByQHAdamAmsgradState:
-        exp_avg = optax.tree.zeros_like(params, dtype=mu_dtype)
+        if state_dtype is not None:
+            _check_narrow_params(params, state_dtype)
+        exp_avg = optax.tree.zeros_like(params, dtype=state_dtype or mu_dtype)
         # zeros_like, not zeros: the moment keeps the parameter's sharding (a
         # sharded model's moments would otherwise all land on one device).
-        exp_avg_sq = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_real_dtype(p.dtype)), params)
+        exp_avg_sq = jax.tree.map(
+            lambda p: jnp.zeros_like(p, dtype=state_dtype or _real_dtype(p.dtype)), params
+        )
         count = jnp.zeros([], jnp.int32)
         if amsgrad:
             nu_max = jax.tree.map(jnp.zeros_like, exp_avg_sq)
@@ -347,14 +471,19 @@ def scale_by_qhadam(
         new_exp_avgs: list[Any] = []
         new_exp_avg_sqs: list[Any] = []
         new_maxes: list[Any] = []
-        for g, exp_avg, exp_avg_sq, max_sq in zip(grads, exp_avgs, exp_avg_sqs, maxes, strict=True):
+        leaves = zip(grads, exp_avgs, exp_avg_sqs, maxes, strict=True)
+        for position, (g, exp_avg, exp_avg_sq, max_sq) in enumerate(leaves):
             if g is None:
                 new_updates.append(None)
                 new_exp_avgs.append(exp_avg)
                 new_exp_avg_sqs.append(exp_avg_sq)
                 new_maxes.append(max_sq)
                 continue
-            dtype = exp_avg_sq.dtype  # the parameters' real dtype
+            # The parameters' real dtype; a narrow state steps in the gradient's.
+            dtype = exp_avg_sq.dtype if state_dtype is None else _real_dtype(g.dtype)
+            if state_dtype is not None:
+                exp_avg, exp_avg_sq = exp_avg.astype(dtype), exp_avg_sq.astype(dtype)
+                max_sq = None if max_sq is None else max_sq.astype(dtype)
             hparams = {
                 "beta1": _cast(b1, dtype),
                 "beta2": _cast(b2, dtype),
@@ -370,14 +499,22 @@ def scale_by_qhadam(
                 next_exp_avg, next_exp_avg_sq, next_max, update = rules.qhadam_amsgrad_update(
                     g, exp_avg, exp_avg_sq, max_sq, maximum=jnp.maximum, **hparams
                 )
-                new_maxes.append(next_max.astype(dtype))
             else:
                 next_exp_avg, next_exp_avg_sq, update = rules.qhadam_update(
                     g, exp_avg, exp_avg_sq, **hparams
                 )
             new_updates.append(update.astype(g.dtype))
-            new_exp_avgs.append(next_exp_avg.astype(exp_avg.dtype))
-            new_exp_avg_sqs.append(next_exp_avg_sq.astype(dtype))
+            if state_dtype is None:
+                new_exp_avgs.append(next_exp_avg.astype(exp_avg.dtype))
+                new_exp_avg_sqs.append(next_exp_avg_sq.astype(dtype))
+                if amsgrad:
+                    new_maxes.append(next_max.astype(dtype))
+                continue
+            seeds = [_rounding_seed(count, 4 * position + k) for k in range(3 if amsgrad else 2)]
+            new_exp_avgs.append(_store(next_exp_avg, state_dtype, seeds[0], stochastic))
+            new_exp_avg_sqs.append(_store(next_exp_avg_sq, state_dtype, seeds[1], stochastic))
+            if amsgrad:
+                new_maxes.append(_store(next_max, state_dtype, seeds[2], stochastic))
         mu = jax.tree.unflatten(treedef, new_exp_avgs)
         nu = jax.tree.unflatten(treedef, new_exp_avg_sqs)
         new_state: ScaleByQHAdamState | ScaleByQHAdamAmsgradState
@@ -397,6 +534,8 @@ def qhm(
     nu: float | jax.Array = 0.7,
     *,
     accumulator_dtype: Any | None = None,
+    state_dtype: Any | None = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Quasi-hyperbolic momentum.
 
@@ -417,6 +556,8 @@ def qhm(
       momentum: :math:`\beta`, in ``[0, 1)``.
       nu: :math:`\nu`, any finite real (0: SGD, 1: momentum, beta: NAG).
       accumulator_dtype: optional dtype of the momentum buffer.
+      state_dtype, stochastic_rounding: store the buffer in a narrower dtype
+        (see :func:`scale_by_qhm`).
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -440,7 +581,13 @@ def qhm(
     """
     learning_rate = _check_learning_rate(learning_rate)
     return optax.chain(
-        scale_by_qhm(momentum, nu, accumulator_dtype=accumulator_dtype),
+        scale_by_qhm(
+            momentum,
+            nu,
+            accumulator_dtype=accumulator_dtype,
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
+        ),
         optax.scale_by_learning_rate(learning_rate),
     )
 
@@ -455,6 +602,8 @@ def qhadam(
     *,
     mu_dtype: Any | None = None,
     amsgrad: bool = False,
+    state_dtype: Any | None = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""QHAdam: Adam with quasi-hyperbolic moment estimators.
 
@@ -480,6 +629,8 @@ def qhadam(
       mu_dtype: optional dtype of the first moment.
       amsgrad: the AMSGrad variant, with torch's convention (see
         :func:`scale_by_qhadam`; not ``optax.amsgrad``'s).
+      state_dtype, stochastic_rounding: store the moments in a narrower dtype
+        (see :func:`scale_by_qhadam`).
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -503,7 +654,17 @@ def qhadam(
     """
     learning_rate = _check_learning_rate(learning_rate)
     return optax.chain(
-        scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype, amsgrad=amsgrad),
+        scale_by_qhadam(
+            b1,
+            b2,
+            nu1,
+            nu2,
+            eps,
+            mu_dtype=mu_dtype,
+            amsgrad=amsgrad,
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
+        ),
         optax.scale_by_learning_rate(learning_rate),
     )
 
@@ -520,6 +681,8 @@ def qhadamw(
     *,
     mu_dtype: Any | None = None,
     amsgrad: bool = False,
+    state_dtype: Any | None = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""QHAdam with decoupled weight decay (as ``optax.adamw``).
 
@@ -540,6 +703,7 @@ def qhadamw(
         parameters to decay, as in ``optax.add_decayed_weights``.
       mu_dtype: optional dtype of the first moment.
       amsgrad: the AMSGrad variant, as in :func:`qhadam`.
+      state_dtype, stochastic_rounding: as in :func:`qhadam`.
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -563,7 +727,17 @@ def qhadamw(
     validation.check_weight_decay(weight_decay)
     weight_decay = validation.as_float(weight_decay)
     return optax.chain(
-        scale_by_qhadam(b1, b2, nu1, nu2, eps, mu_dtype=mu_dtype, amsgrad=amsgrad),
+        scale_by_qhadam(
+            b1,
+            b2,
+            nu1,
+            nu2,
+            eps,
+            mu_dtype=mu_dtype,
+            amsgrad=amsgrad,
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
+        ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -576,7 +750,7 @@ def from_params(
 
     A :class:`qhoptim.convert.QHMParams` gives :func:`qhm`, a
     :class:`qhoptim.convert.QHAdamParams` gives :func:`qhadam`; keyword
-    arguments (``accumulator_dtype``, ``mu_dtype``) are passed on. This is
+    arguments (``accumulator_dtype``, ``mu_dtype``, ``state_dtype``, ...) are passed on. This is
     the optax counterpart of Keras's ``QHM.from_params`` /
     ``QHAdam.from_params``.
 

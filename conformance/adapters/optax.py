@@ -26,21 +26,24 @@ from ..cases import Case  # noqa: E402
 from . import closed_loop  # noqa: E402
 
 
-def make_transformation(case: Case, learning_rate: Any) -> optax.GradientTransformation:
-    """The optax optimizer a user would write for ``case`` (weight decay included)."""
+def make_transformation(
+    case: Case, learning_rate: Any, **options: Any
+) -> optax.GradientTransformation:
+    """The optax optimizer a user would write for ``case`` (weight decay included);
+    ``options`` (``state_dtype``, ...) go to qhoptim's transformation."""
     hp, mode = case.hparams, case.weight_decay_mode
     wd = hp.get("weight_decay", 0.0)
     if case.optimizer == "qhm":
         if mode == "decoupled":
             return optax.chain(
-                qho.scale_by_qhm(hp["momentum"], hp["nu"]),
+                qho.scale_by_qhm(hp["momentum"], hp["nu"], **options),
                 optax.add_decayed_weights(wd),
                 optax.scale_by_learning_rate(learning_rate),
             )
-        tx = qho.qhm(learning_rate, hp["momentum"], hp["nu"])
+        tx = qho.qhm(learning_rate, hp["momentum"], hp["nu"], **options)
     else:
         (b1, b2), (nu1, nu2) = hp["betas"], hp["nus"]
-        ams = {"amsgrad": case.amsgrad}
+        ams = {"amsgrad": case.amsgrad, **options}
         if mode == "decoupled":
             return qho.qhadamw(learning_rate, b1, b2, nu1, nu2, hp["eps"], weight_decay=wd, **ams)
         tx = qho.qhadam(learning_rate, b1, b2, nu1, nu2, hp["eps"], **ams)

@@ -12,11 +12,11 @@ bits, and round-to-nearest would lose every EWMA increment smaller than half
 a unit in the last place -- with ``beta2 = 0.999`` the second moment would
 stop moving once ``(1 - beta2) * g**2`` falls below about ``2**-9`` of it.
 Stochastic rounding is unbiased, so the stored moments follow the float32
-ones on average. Its randomness is counter-based: the noise for a tensor is
-drawn from a generator seeded by the step number and the parameter's position
-in the optimizer (:func:`rounding_seed`), never from torch's global
-generator, so a run resumed from a checkpoint rounds exactly as the
-uninterrupted run. Other narrow dtypes (float16) round to nearest.
+ones on average. Its randomness is counter-based, the rule of
+:mod:`qhoptim.rounding` (every backend's): a hash of the step number, the
+parameter's position in the optimizer and each element's position, never
+torch's global generator, so a run resumed from a checkpoint rounds exactly as
+the uninterrupted run. Other narrow dtypes (float16) round to nearest.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from qhoptim import rounding
 
 __all__ = [
     "STATE_DTYPES",
@@ -46,23 +48,19 @@ STATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 CHUNK_VALUES = 1 << 22
 NOISE_VALUES = 1 << 20
 
-_MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
+# torch has no uint32 arithmetic: values below 2**32 in int64, products
+# wrapped back (an int64 product past 2**63 wraps too; its low 32 bits are exact).
+_INT64_BITS = rounding.Bits(wrap=lambda x: x & _MASK32)
 
 
 def check_state_dtype(group: dict[str, Any]) -> None:
     """A param group's ``state_dtype`` and ``stochastic_rounding``, with the flags they exclude."""
     dtype = group.get("state_dtype")
-    if dtype is not None and dtype not in STATE_DTYPES:
-        names = ", ".join(str(d) for d in STATE_DTYPES)
-        raise ValueError(
-            f"state_dtype must be None or one of {names}; received state_dtype={dtype!r}"
-        )
-    rounding = group.get("stochastic_rounding")
-    if rounding is not None and not isinstance(rounding, bool):
-        raise TypeError(
-            f"stochastic_rounding must be None or a bool; received stochastic_rounding={rounding!r}"
-        )
+    name = str(dtype).removeprefix("torch.") if dtype in STATE_DTYPES else None
+    allowed = tuple(str(d).removeprefix("torch.") for d in STATE_DTYPES)
+    rounding.check_state_dtype(name, dtype, allowed=allowed)
+    rounding.check_stochastic_rounding(group.get("stochastic_rounding"))
     if dtype is None:
         return
     for flag in ("capturable", "differentiable"):
@@ -74,13 +72,8 @@ def check_state_dtype(group: dict[str, Any]) -> None:
     for p in group.get("params", []):
         if not isinstance(p, Tensor):
             continue
-        if p.is_complex():
-            raise ValueError("state_dtype applies to real parameters; received a complex one")
-        if dtype.itemsize > p.dtype.itemsize:
-            raise ValueError(
-                f"state_dtype={dtype} is wider than a parameter's dtype {p.dtype}; "
-                "state_dtype stores the state in a narrower dtype"
-            )
+        rounding.check_real(p.is_complex())
+        rounding.check_narrower(str(dtype), dtype.itemsize, str(p.dtype), p.dtype.itemsize)
 
 
 def narrow(group: dict[str, Any], param: Tensor) -> bool:
@@ -101,31 +94,21 @@ def in_fused_kernel(group: dict[str, Any], params: Sequence[Tensor]) -> bool:
 
 
 def rounding_seed(step: float, index: int) -> int:
-    """The 32-bit seed of the rounding noise of state ``index`` (4 per parameter,
-    by its position in the optimizer) after step ``step``: splitmix64 of both,
-    so that neighbouring steps and tensors draw unrelated noise."""
-    x = ((int(step) << 32) ^ index) & _MASK64
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) & _MASK32
+    """The seed of state ``index`` (4 per parameter, by its position in the
+    optimizer) after step ``step``: :func:`qhoptim.rounding.rounding_seed`."""
+    return int(rounding.rounding_seed(int(step) & _MASK32, index & _MASK32))
 
 
 def hash32(seed: int, start: int, stop: int, device: torch.device) -> Tensor:
-    """The noise counter hash of the elements at positions ``start .. stop-1`` of
-    a tensor under ``seed`` (int64 values below 2**32): lowbias32's mixer of
-    ``position * 0x9E3779B9 ^ seed``, the numbers the fused CPU kernel computes
-    per element (``hash32`` in ``csrc/fused_cpu.cpp``; a test holds the two
-    paths to the same bits)."""
+    """The noise of the elements at positions ``start .. stop-1`` of a tensor under
+    ``seed`` (int64 values below 2**16): :func:`qhoptim.rounding.noise16`, the
+    numbers the fused CPU kernel computes per element (``hash32`` in
+    ``csrc/fused_cpu.cpp``; a test holds the two paths to the same bits).
+    Positions past 2**32 are folded to 32 bits as the kernel folds them."""
     i = torch.arange(start, stop, dtype=torch.int64, device=device)
-    x = (((i ^ (i >> 32)) & _MASK32) * 0x9E3779B9) & _MASK32
-    x ^= seed
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK32  # wraps past 2**63; the low 32 bits are exact
-    x ^= x >> 16
-    return x
+    if stop > _MASK32:
+        i = (i ^ (i >> 32)) & _MASK32
+    return rounding.noise16(i, seed, _INT64_BITS)  # type: ignore[no-any-return]
 
 
 def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> None:
@@ -144,7 +127,8 @@ def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> No
     out = dst.view(-1)
     for a in range(0, x.numel(), NOISE_VALUES):
         b = min(a + NOISE_VALUES, x.numel())
-        noise = (hash32(seed, start + a, start + b, x.device) & 0xFFFF).to(torch.int32)
+        noise = hash32(seed, start + a, start + b, x.device).to(torch.int32)
+        # rounding.round_bits, in int32 (two's complement wraps as uint32 would)
         bits = noise.add_(x[a:b].view(torch.int32)).bitwise_and_(-65536)  # src is not written
         out[a:b].copy_(bits.view(torch.float32))
 

@@ -16,6 +16,7 @@ import torch
 
 from conformance.cases import load_cases
 from conformance.problems import get_problem
+from qhoptim import rounding
 from qhoptim.torch import QHM, QHAdam, QHAdamW, _state_dtype
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
@@ -242,6 +243,9 @@ def test_the_fused_kernel_and_the_other_paths_draw_the_same_noise() -> None:
         _state_dtype.stochastic_round_(want, g, _state_dtype.rounding_seed(1, 4 * position))
         assert torch.equal(opt.state[p]["momentum_buffer"], want)
         assert not torch.equal(want, g.to(BF16))  # some values were rounded up
+        # ... and both are the rule every backend follows (qhoptim.rounding).
+        reference = rounding.stochastic_round_reference(g.numpy(), 1, 4 * position)
+        assert torch.equal(want.view(torch.int16), torch.from_numpy(reference.view("int16")))
 
 
 def test_a_tensor_larger_than_a_chunk_steps_in_slices_as_a_whole(monkeypatch: Any) -> None:

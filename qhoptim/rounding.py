@@ -1,0 +1,185 @@
+r"""Stochastic rounding of optimizer state to bfloat16, defined once.
+
+With ``state_dtype="bfloat16"`` every backend stores QHM's momentum buffer and
+QHAdam's moments in bfloat16 and steps them in float32. Rounding the result to
+nearest would freeze an EWMA once its increment falls below half a unit in
+bfloat16's last place (bfloat16 keeps 8 significant bits: with
+``beta2 = 0.999`` the second moment stops moving once ``(1 - beta2) g**2``
+is below about ``2**-9`` of it). Stochastic rounding rounds up with
+probability equal to the distance to the value below, so the stored state is
+the float32 one on average.
+
+A bfloat16 number is the top 16 bits of a float32: adding 16 random bits to
+the bottom half of the float32's bits and cutting them off rounds up exactly
+that often (:func:`round_bits`). Values bfloat16 holds exactly (zero, inf)
+are unchanged.
+
+The random bits are counter-based, the same numbers in every backend:
+
+- the *seed* of a tensor's state after step ``t`` (counted from 1) is
+  :func:`rounding_seed` of ``t`` and ``index = 4 * position + k`` -- the
+  parameter's position in the optimizer (its leaf in the pytree, its variable
+  in Keras) and ``k`` the state (0: QHM's buffer or QHAdam's first moment,
+  1: the second moment, 2: AMSGrad's maximum);
+- the noise of the element at flat (row-major) position ``i`` is the low 16
+  bits of :func:`mix32` of ``i * 0x9E3779B9 ^ seed`` (:func:`noise16`).
+
+So a run resumed from a checkpoint rounds exactly as the uninterrupted one, no
+framework's global generator is touched, and the same float32 state rounds to
+the same bfloat16 bits in torch, JAX, Keras and MLX (each backend's tests hold
+it to :func:`stochastic_round_reference`).
+
+The functions are written once for any 32-bit integer arithmetic: Python ints,
+unsigned 32-bit arrays of NumPy, JAX, TensorFlow or MLX, or torch's int64
+tensors. :class:`Bits` says how a backend makes a constant, wraps a product
+and shifts; this module imports no framework.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = [
+    "PYTHON",
+    "STATE_DTYPES",
+    "Bits",
+    "check_narrower",
+    "check_real",
+    "check_state_dtype",
+    "check_stochastic_rounding",
+    "mix32",
+    "noise16",
+    "round_bits",
+    "rounding_seed",
+    "stochastic",
+    "stochastic_round_reference",
+]
+
+#: The dtypes ``state_dtype`` may name, by their name in every framework.
+STATE_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+MASK32 = 0xFFFFFFFF
+#: An element's position is spread by this odd constant (2**32 / golden ratio).
+POSITION_MULTIPLIER = 0x9E3779B9
+#: A state's index is spread by this odd constant (murmur3's finalizer's).
+INDEX_MULTIPLIER = 0x85EBCA6B
+#: lowbias32's multipliers (Wellons's 32-bit integer hash).
+MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+#: The bits of a float32 a bfloat16 keeps.
+BFLOAT16_MASK = 0xFFFF0000
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+class Bits(NamedTuple):
+    """How a backend does unsigned 32-bit arithmetic.
+
+    ``const(c)`` makes the constant ``c`` (``0 <= c < 2**32``) in the
+    backend's integer type (JAX refuses a Python int above ``2**31 - 1``
+    beside a uint32 array); ``wrap(x)`` reduces a sum or product to 32 bits
+    (identity for uint32 arrays, which wrap; ``x & 0xFFFFFFFF`` for Python
+    ints and int64 tensors); ``shift(x, n)`` is the logical right shift.
+    """
+
+    const: Callable[[int], Any] = _same
+    wrap: Callable[[Any], Any] = _same
+    shift: Callable[[Any, int], Any] = operator.rshift
+
+
+#: Python ints (and int64 arrays holding values below 2**32).
+PYTHON = Bits(wrap=lambda x: x & MASK32)
+
+
+def mix32(x: Any, bits: Bits = PYTHON) -> Any:
+    """lowbias32: a bijective 32-bit mixer (every input bit changes about half the output bits)."""
+    m1, m2 = MIX_MULTIPLIERS
+    x = x ^ bits.shift(x, 16)
+    x = bits.wrap(x * bits.const(m1))
+    x = x ^ bits.shift(x, 15)
+    x = bits.wrap(x * bits.const(m2))
+    return x ^ bits.shift(x, 16)
+
+
+def rounding_seed(step: Any, index: Any, bits: Bits = PYTHON) -> Any:
+    """The 32-bit seed of state ``index`` (``4 * position + k``) after step ``step`` (from 1).
+
+    ``step`` and ``index`` are taken modulo ``2**32``; with :data:`PYTHON`
+    they are Python ints, in a backend they may be its uint32 scalars (a
+    traced step count under ``jit``).
+    """
+    spread = bits.wrap(index * bits.const(INDEX_MULTIPLIER))
+    return mix32(mix32(step, bits) ^ spread, bits)
+
+
+def noise16(positions: Any, seed: Any, bits: Bits = PYTHON) -> Any:
+    """The 16 random bits of the elements at flat ``positions`` under ``seed``."""
+    x = bits.wrap(positions * bits.const(POSITION_MULTIPLIER)) ^ seed
+    return mix32(x, bits) & bits.const(0xFFFF)
+
+
+def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
+    """The float32 bits of the bfloat16 value ``float32_bits`` rounds to with ``noise``.
+
+    Adding ``noise`` (below ``2**16``) carries into the kept half with
+    probability equal to the dropped half's share of a unit in the last place.
+    """
+    return bits.wrap(float32_bits + noise) & bits.const(BFLOAT16_MASK)
+
+
+def stochastic(state_dtype: str | None, stochastic_rounding: bool | None) -> bool:
+    """Whether a state stored in ``state_dtype`` is written back stochastically:
+    ``stochastic_rounding=None`` means yes for bfloat16 (and only bfloat16)."""
+    return state_dtype == "bfloat16" and stochastic_rounding is not False
+
+
+def check_state_dtype(name: str | None, received: object, *, allowed: tuple[str, ...]) -> None:
+    """Refuse a ``state_dtype`` that is not one of ``allowed`` (names of
+    :data:`STATE_DTYPES`); ``name`` is the backend's canonical name of the
+    received value (None where it names no dtype), ``received`` the value as given."""
+    if received is None or name in allowed:
+        return
+    raise ValueError(
+        f"state_dtype must be None or one of {', '.join(allowed)}; "
+        f"received state_dtype={received!r}"
+    )
+
+
+def check_narrower(state_dtype: str, state_bytes: int, param_dtype: str, param_bytes: int) -> None:
+    """Refuse a ``state_dtype`` wider than a parameter's dtype (itemsizes in bytes)."""
+    if state_bytes > param_bytes:
+        raise ValueError(
+            f"state_dtype={state_dtype} is wider than a parameter's dtype {param_dtype}; "
+            "state_dtype stores the state in a narrower dtype"
+        )
+
+
+def check_real(is_complex: bool) -> None:
+    """Refuse a complex parameter: a narrow state is a real dtype."""
+    if is_complex:
+        raise ValueError("state_dtype applies to real parameters; received a complex one")
+
+
+def check_stochastic_rounding(value: object) -> None:
+    """``stochastic_rounding`` must be None or a bool."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(
+            f"stochastic_rounding must be None or a bool; received stochastic_rounding={value!r}"
+        )
+
+
+def stochastic_round_reference(values: Any, step: int, index: int) -> Any:
+    """The bfloat16 bits (NumPy uint16) stochastic rounding stores for ``values``
+    (read as float32) as state ``index`` after step ``step``: the NumPy
+    statement of the rule every backend's tests compare with. Needs NumPy."""
+    import numpy as np
+
+    x = np.ascontiguousarray(np.asarray(values, dtype=np.float32))
+    u32 = Bits(const=np.uint32)
+    seed = np.uint32(rounding_seed(step, index))
+    positions = np.arange(x.size, dtype=np.uint32).reshape(x.shape)
+    rounded = round_bits(x.view(np.uint32), noise16(positions, seed, u32), u32)
+    return (rounded >> np.uint32(16)).astype(np.uint16)

@@ -1,0 +1,186 @@
+"""qhoptim.optax with ``state_dtype``: state in bfloat16, stochastically rounded.
+
+The rounding is :mod:`qhoptim.rounding`'s, bit for bit (so the same as torch's,
+Keras's and MLX's); the trajectories follow float32 state's on the conformance
+problems; a resumed run rounds as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qhoptim.optax as qho
+from conformance.adapters.optax import make_transformation
+from conformance.cases import load_cases
+from conformance.problems import get_problem
+from qhoptim import rounding
+
+BF16 = jnp.bfloat16
+OPTIMIZERS = {
+    "qhm": lambda **kw: qho.qhm(0.1, momentum=0.9, nu=0.7, **kw),
+    "qhadam": lambda **kw: qho.qhadam(1e-2, nu1=0.7, **kw),
+    "qhadamw-amsgrad": lambda **kw: qho.qhadamw(1e-2, nu1=0.7, nu2=0.8, amsgrad=True, **kw),
+}
+
+
+def _params() -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    shapes = {"w": (64, 33), "b": (33,), "c": (7,)}
+    return {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+
+
+def _grads(params: dict[str, jax.Array], t: int) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(1000 + t)
+    return {k: jnp.asarray(rng.standard_normal(p.shape), jnp.float32) for k, p in params.items()}
+
+
+def _run(tx: Any, params: Any, state: Any, steps: range) -> tuple[Any, Any]:
+    update = jax.jit(tx.update)
+    for t in steps:
+        updates, state = update(_grads(params, t), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def _state_leaves(state: Any) -> list[jax.Array]:
+    return [x for x in jax.tree.leaves(state) if x.ndim > 0]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_state_is_stored_in_bfloat16_at_half_the_bytes(name: str) -> None:
+    params = _params()
+    narrow, wide = OPTIMIZERS[name](state_dtype=BF16), OPTIMIZERS[name]()
+    narrow_state = _run(narrow, params, narrow.init(params), range(2))[1]
+    wide_state = _run(wide, params, wide.init(params), range(2))[1]
+    assert {x.dtype for x in _state_leaves(narrow_state)} == {jnp.dtype(BF16)}
+    narrow_bytes = sum(x.nbytes for x in _state_leaves(narrow_state))
+    assert 2 * narrow_bytes == sum(x.nbytes for x in _state_leaves(wide_state))
+    if name == "qhadam":  # 4 bytes per parameter instead of 8
+        assert narrow_bytes == 4 * sum(p.size for p in params.values())
+
+
+def test_the_rounding_is_the_rule_every_backend_follows() -> None:
+    # QHM with momentum 0 stores the gradient itself, rounded; the leaf at
+    # position 1 of the pytree ("b": keys are sorted) is state index 4 * 1.
+    params = {"a": jnp.zeros(3), "b": jnp.zeros((50, 7)), "c": jnp.zeros(2)}
+    g = jnp.asarray(np.random.default_rng(3).standard_normal((50, 7)), jnp.float32) * 1e-3
+    grads = {"a": jnp.ones(3), "b": g, "c": jnp.ones(2)}
+    tx = qho.scale_by_qhm(momentum=0.0, nu=0.7, state_dtype=BF16)
+    state = tx.init(params)
+    for step in (1, 2):
+        _, state = jax.jit(tx.update)(grads, state)
+        stored = np.asarray(state.momentum_buffer["b"]).view(np.uint16)
+        want = rounding.stochastic_round_reference(np.asarray(g), step, 4 * 1)
+        assert np.array_equal(stored, want)
+        assert not np.array_equal(stored, np.asarray(g.astype(BF16)).view(np.uint16))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_resumed_run_rounds_as_the_uninterrupted_one(name: str) -> None:
+    tx = OPTIMIZERS[name](state_dtype=BF16)
+    params = _params()
+    straight = _run(tx, params, tx.init(params), range(10))[0]
+    half_params, half_state = _run(tx, params, tx.init(params), range(5))
+    # A checkpoint: the state leaves as NumPy arrays, restored into a fresh
+    # init's structure (as orbax restores into a target).
+    saved = jax.tree.map(np.asarray, half_state)
+    restored = jax.tree.map(jnp.asarray, saved)
+    resumed = _run(tx, half_params, restored, range(5, 10))[0]
+    for k in params:
+        assert np.array_equal(np.asarray(straight[k]), np.asarray(resumed[k]))
+
+
+def test_float16_state_and_rounding_off_round_to_nearest() -> None:
+    params, grads = _params(), _grads(_params(), 0)
+    for kwargs in (
+        {"state_dtype": jnp.float16},
+        {"state_dtype": BF16, "stochastic_rounding": False},
+    ):
+        tx = qho.scale_by_qhadam(nu1=0.7, **kwargs)
+        wide = qho.scale_by_qhadam(nu1=0.7)
+        _, state = tx.update(grads, tx.init(params))
+        _, wide_state = wide.update(grads, wide.init(params))
+        for k in params:
+            want = wide_state.mu[k].astype(kwargs["state_dtype"])
+            assert np.array_equal(np.asarray(state.mu[k]), np.asarray(want))
+
+
+def test_mu_dtype_still_casts_as_optax_adam_does() -> None:
+    params, grads = _params(), _grads(_params(), 0)
+    tx = qho.scale_by_qhadam(mu_dtype=BF16)
+    _, state = tx.update(grads, tx.init(params))
+    _, adam_state = optax.scale_by_adam(mu_dtype=BF16).update(
+        grads, optax.scale_by_adam(mu_dtype=BF16).init(params)
+    )
+    for k in params:
+        assert state.mu[k].dtype == jnp.dtype(BF16) and state.nu[k].dtype == jnp.float32
+        assert np.array_equal(np.asarray(state.mu[k]), np.asarray(adam_state.mu[k]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"state_dtype": "int8"}, ValueError, r"state_dtype must be None or one of bfloat16"),
+        ({"state_dtype": "no-such-dtype"}, ValueError, r"received state_dtype='no-such-dtype'"),
+        ({"stochastic_rounding": 1}, TypeError, r"stochastic_rounding must be None or a bool"),
+        ({"state_dtype": BF16, "mu_dtype": jnp.float32}, ValueError, r"give one"),
+    ],
+)
+def test_invalid_settings_are_refused(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        qho.qhadam(1e-2, **kwargs)
+
+
+def test_parameters_a_narrow_state_cannot_follow_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"wider than a parameter's dtype bfloat16"):
+        qho.qhadam(1e-2, state_dtype=jnp.float32).init(jnp.zeros(3, BF16))
+    with pytest.raises(ValueError, match=r"real parameters"):
+        qho.qhm(0.1, state_dtype=BF16).init(jnp.zeros(3, jnp.complex64))
+    with pytest.raises(ValueError, match=r"give one"):
+        qho.qhm(0.1, state_dtype=BF16, accumulator_dtype=BF16)
+
+
+def test_the_plain_state_is_refused_where_the_counted_one_is_needed() -> None:
+    params = _params()
+    plain_state = qho.scale_by_qhm().init(params)
+    with pytest.raises(TypeError, match=r"ScaleByQHMCountState"):
+        qho.scale_by_qhm(state_dtype=BF16).update(_grads(params, 0), plain_state)
+
+
+# |nu| > 1 weights the stored buffer by more than 1 (as in torch's test).
+AMPLIFIED = {"qhm-nu-above-one-quadratic": 2e-2}
+
+
+def _conformance_cases() -> list[Any]:
+    names = {"qhm", "qhadam", "qhadamw"}
+    return [
+        c for c in load_cases() if c.optimizer in names and c.schedule.get("kind") == "constant"
+    ]
+
+
+@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
+    problem = get_problem(case.problem_name)
+
+    def trajectory(**options: Any) -> np.ndarray:
+        tx = make_transformation(case, case.hparams["lr"], **options)
+        params = [jnp.asarray(a, jnp.float32) for a in problem.split(problem.x0)]
+        state, update = tx.init(params), jax.jit(tx.update)
+        out = []
+        for t in range(100):
+            x = problem.join([np.asarray(p, np.float64) for p in params])
+            grads = [jnp.asarray(g, jnp.float32) for g in problem.split(problem.grad(x, t))]
+            updates, state = update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            out.append(problem.join([np.asarray(p, np.float64) for p in params]))
+        return np.array(out)
+
+    wide, narrow = trajectory(), trajectory(state_dtype=BF16)
+    relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
+    assert relative.max() <= AMPLIFIED.get(case.name, 1e-2)

@@ -1,0 +1,113 @@
+"""The stochastic rounding rule of narrow optimizer state (:mod:`qhoptim.rounding`).
+
+Every backend's tests hold its rounding to :func:`rounding.stochastic_round_reference`;
+these tests hold that reference to what stochastic rounding means: unbiased,
+exact where bfloat16 is exact, and noise that differs per step, state and element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qhoptim import rounding
+
+U32 = rounding.Bits(const=np.uint32)
+
+
+def _bfloat16_neighbours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bfloat16 values below and above positive float32 ``x``, as float64."""
+    bits = x.astype(np.float32).view(np.uint32)
+    below = (bits & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    above = ((bits & np.uint32(0xFFFF0000)) + np.uint32(0x10000)).view(np.float32)
+    return below, above.astype(np.float64)
+
+
+def _as_float(bfloat16_bits: np.ndarray) -> np.ndarray:
+    return (bfloat16_bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def test_python_ints_and_uint32_arrays_give_the_same_numbers() -> None:
+    # The rule is written once for any integer arithmetic (rounding.Bits); the
+    # same positions and seed give the same noise as ints and as uint32 arrays.
+    positions = [0, 1, 2, 12345, 2**31 - 1, 2**32 - 1]
+    seed = rounding.rounding_seed(7, 4 * 3 + 1)
+    one = np.ones(1, dtype=np.uint32)  # arrays wrap silently; NumPy scalars warn
+    seed_u32 = rounding.rounding_seed(7 * one, 13 * one, U32)
+    assert int(seed_u32[0]) == seed
+    as_array = rounding.noise16(np.array(positions, dtype=np.uint32), np.uint32(seed), U32)
+    assert [int(v) for v in as_array] == [rounding.noise16(i, seed) for i in positions]
+
+
+def test_mix32_is_a_bijection_on_a_sample() -> None:
+    # lowbias32 is invertible: distinct inputs never collide.
+    x = np.arange(1 << 20, dtype=np.uint32) * np.uint32(2654435761)
+    assert np.unique(rounding.mix32(x, U32)).size == x.size
+
+
+def test_stochastic_rounding_is_unbiased() -> None:
+    # Each value lies between two bfloat16 neighbours; it must round up with
+    # probability equal to its distance from the lower one, in units of the gap.
+    # 2**16 copies of each value: the frequency's standard error is at most
+    # 1/512, the tolerance six of them.
+    rng = np.random.default_rng(0)
+    values = rng.uniform(0.5, 4.0, size=8).astype(np.float32)
+    copies = 1 << 16
+    for step, value in enumerate(values, start=1):
+        x = np.full(copies, value, dtype=np.float32)
+        rounded = _as_float(rounding.stochastic_round_reference(x, step, 0)).astype(np.float64)
+        below, above = _bfloat16_neighbours(x[:1])
+        assert set(np.unique(rounded)) <= {below[0], above[0]}
+        share = (float(value) - below[0]) / (above[0] - below[0])
+        assert abs(np.mean(rounded == above[0]) - share) < 6 / 512
+        # The mean of the stored values is the float32 value.
+        assert abs(rounded.mean() - float(value)) < 6 / 512 * (above[0] - below[0])
+
+
+def test_values_bfloat16_holds_are_kept() -> None:
+    # Float32 values whose low 16 bits are zero, bfloat16's largest finite included.
+    exact = np.array([0.0, -0.0, 1.0, -2.5, np.inf, -np.inf], dtype=np.float32)
+    exact = np.append(exact, np.array([0x7F7F0000], dtype=np.uint32).view(np.float32))
+    rounded = _as_float(rounding.stochastic_round_reference(exact, 3, 5))
+    assert np.array_equal(rounded.view(np.uint32), exact.view(np.uint32))
+
+
+def test_the_noise_differs_between_steps_states_and_elements() -> None:
+    x = np.full(4096, 1.0 + 2.0**-8, dtype=np.float32)  # halfway: rounds up half the time
+    draws = {
+        (step, index): rounding.stochastic_round_reference(x, step, index).tobytes()
+        for step in (1, 2, 3)
+        for index in (0, 1, 4)
+    }
+    assert len(set(draws.values())) == len(draws)
+    # Within one draw, elements round independently: about half of them up
+    # (to 1 + 2**-7, bits 0x3F81); the standard error is 1/128.
+    up = np.mean(rounding.stochastic_round_reference(x, 1, 0) == np.uint16(0x3F81))
+    assert abs(up - 0.5) < 6 / 128
+
+
+def test_the_low_noise_bits_are_uniform() -> None:
+    # Each of the 16 noise bits is set about half the time over a tensor.
+    noise = rounding.noise16(
+        np.arange(1 << 16, dtype=np.uint32), np.uint32(rounding.rounding_seed(1, 0)), U32
+    )
+    for bit in range(16):
+        share = np.mean((noise >> np.uint32(bit)) & np.uint32(1))
+        assert abs(share - 0.5) < 6 / 512  # standard error 1/512
+
+
+@pytest.mark.parametrize(
+    ("name", "rounds"),
+    [("bfloat16", True), ("float16", False), ("float32", False), (None, False)],
+)
+def test_stochastic_means_bfloat16_unless_turned_off(name: str | None, rounds: bool) -> None:
+    assert rounding.stochastic(name, None) is rounds
+    assert rounding.stochastic(name, False) is False
+
+
+def test_a_state_dtype_outside_the_allowed_is_refused_with_the_values() -> None:
+    with pytest.raises(ValueError, match=r"one of bfloat16, float32; received state_dtype='int8'"):
+        rounding.check_state_dtype(None, "int8", allowed=("bfloat16", "float32"))
+    rounding.check_state_dtype("bfloat16", "bfloat16", allowed=("bfloat16",))
+    with pytest.raises(TypeError, match=r"received stochastic_rounding=1"):
+        rounding.check_stochastic_rounding(1)
