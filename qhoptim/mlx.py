@@ -46,11 +46,43 @@ except ImportError as error:  # pragma: no cover - exercised where MLX is absent
         'Install it with `pip install "qhoptim[mlx]"`.'
     ) from error
 
-from qhoptim import convert, rules, validation
+from qhoptim import convert, rounding, rules, validation
 
 __all__ = ["QHM", "QHAdam", "QHAdamW"]
 
 LearningRate = float | mx.array | Callable[[mx.array], mx.array]
+
+
+# MLX's uint32 arrays wrap; the constants are made as uint32 arrays.
+_BITS = rounding.Bits(const=lambda c: mx.array(c, dtype=mx.uint32))
+
+#: The dtypes ``state_dtype`` may be (None: the parameter's own).
+STATE_DTYPES = (mx.bfloat16, mx.float16, mx.float32, mx.float64)
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    return str(dtype).rsplit(".", 1)[-1] if isinstance(dtype, mx.Dtype) else None
+
+
+def _working(state: mx.array, param: mx.array) -> mx.array:
+    """A stored state in the parameter's dtype, the dtype of the step's arithmetic."""
+    return state if state.dtype == param.dtype else state.astype(param.dtype)
+
+
+def _stored(value: mx.array, dtype: mx.Dtype, seed: mx.array | None) -> mx.array:
+    """A step's new state in the state's ``dtype``: to bfloat16 with
+    :mod:`qhoptim.rounding`'s stochastic rounding under ``seed``, or cast
+    (``seed`` None: to nearest). Inside a compiled step the noise, a hash of
+    each element's flat position, is made in the step's fused kernel."""
+    if value.dtype == dtype:
+        return value
+    if seed is None:
+        return value.astype(dtype)
+    x = value.astype(mx.float32)
+    positions = mx.arange(x.size, dtype=mx.uint32).reshape(x.shape)
+    noise = rounding.noise16(positions, seed, _BITS)
+    bits: mx.array = rounding.round_bits(x.view(mx.uint32), noise, _BITS)
+    return bits.view(mx.float32).astype(mx.bfloat16)
 
 
 # One parameter's step, compiled: MLX fuses it into one kernel (on the CPU it
@@ -62,16 +94,18 @@ LearningRate = float | mx.array | Callable[[mx.array], mx.array]
 @mx.compile
 def _qhm_step(
     grad: mx.array, param: mx.array, buf: mx.array, lr: mx.array, factor: Any,
-    momentum: Any, nu: Any, coupled_wd: Any,
+    momentum: Any, nu: Any, coupled_wd: Any, seed: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:  # fmt: skip
     """One parameter's step; ``lr`` (in the parameter's dtype) and the decoupled
     decay ``factor`` are this step's, computed once for all parameters. The
     weights stay Python numbers, constants of the kernel: each array scalar is
-    one more broadcast input of the fused kernel, measurably slower on the CPU."""
+    one more broadcast input of the fused kernel, measurably slower on the CPU.
+    A buffer stored narrower than the parameter steps in the parameter's dtype
+    and is stored back with :func:`_stored` (``seed``)."""
     if coupled_wd:
         grad = rules.coupled_weight_decay(grad, param, coupled_wd)
-    buf, direction = rules.qhm_update(grad, buf, momentum=momentum, nu=nu)
-    return buf, rules.apply_update(param, direction, lr, factor)
+    new_buf, direction = rules.qhm_update(grad, _working(buf, param), momentum=momentum, nu=nu)
+    return _stored(new_buf, buf.dtype, seed), rules.apply_update(param, direction, lr, factor)
 
 
 def _sqrt(x: Any) -> Any:
@@ -93,6 +127,7 @@ def _scaled(param: mx.array, factor: Any) -> mx.array:
 def _qhadam_step(
     grad: mx.array, param: mx.array, m: mx.array, v: mx.array, v_max: mx.array | None,
     form: Any, weights: tuple[Any, ...], factor: Any, b1: Any, b2: Any, coupled_wd: Any,
+    seeds: tuple[mx.array, ...] | None = None,
 ) -> tuple[mx.array, ...]:  # fmt: skip
     """One parameter's step in the folded form the fused kernels of every
     backend use (:func:`qhoptim.rules.folded_qhadam_step`): the step's scalar
@@ -104,13 +139,19 @@ def _qhadam_step(
     folded = rules.FoldedQHAdam(rules.Denominator(form), *weights)
     if coupled_wd:
         grad = rules.coupled_weight_decay(grad, param, coupled_wd)
+    stored = [m, v] if v_max is None else [m, v, v_max]
+    m, v, *rest = (_working(x, param) for x in stored)
     m = rules.ewma(m, grad, b1)
     v = rules.ewma(v, grad * grad, b2)
-    if v_max is not None:
-        v_max = rules.amsgrad_maximum(v_max, v, maximum=mx.maximum)
-    delta = rules.folded_qhadam_step(folded, grad, m, v if v_max is None else v_max, sqrt=mx.sqrt)
+    if rest:
+        rest = [rules.amsgrad_maximum(rest[0], v, maximum=mx.maximum)]
+    delta = rules.folded_qhadam_step(folded, grad, m, rest[0] if rest else v, sqrt=mx.sqrt)
     param = _scaled(param, factor) + delta
-    return (m, v, param) if v_max is None else (m, v, v_max, param)
+    moments = [
+        _stored(x, kept.dtype, seed)
+        for x, kept, seed in zip([m, v, *rest], stored, seeds or [None] * 3, strict=False)
+    ]
+    return (*moments, param)
 
 
 def _bias_correction(beta: Any, step: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -155,14 +196,47 @@ def _check_params(cls: type, params: object, expected: type) -> None:
 
 class _QHOptimizer(optim.Optimizer):
     """What QHM and QHAdam share: the step's scalar coefficients, computed once
-    per step and dtype for all parameters (:meth:`_step_coefficients`)."""
+    per step and dtype for all parameters (:meth:`_step_coefficients`), and
+    the state's dtype (``state_dtype``)."""
 
     weight_decay: float
     decoupled_weight_decay: bool
 
+    def _set_state_dtype(self, state_dtype: Any, stochastic_rounding: Any) -> None:
+        name = _dtype_name(state_dtype)
+        allowed = tuple(_dtype_name(d) or "" for d in STATE_DTYPES)
+        rounding.check_state_dtype(name, state_dtype, allowed=allowed)
+        rounding.check_stochastic_rounding(stochastic_rounding)
+        self.state_dtype, self.stochastic_rounding = state_dtype, stochastic_rounding
+        self._stochastic = rounding.stochastic(name, stochastic_rounding)
+
+    def _zeros(self, parameter: mx.array) -> mx.array:
+        """A state array for ``parameter``, in ``state_dtype`` if one is set."""
+        if self.state_dtype is None:
+            return mx.zeros_like(parameter)
+        name = _dtype_name(self.state_dtype) or ""
+        param_name = _dtype_name(parameter.dtype) or str(parameter.dtype)
+        rounding.check_narrower(name, self.state_dtype.size, param_name, parameter.dtype.size)
+        return mx.zeros(parameter.shape, dtype=self.state_dtype)
+
     def apply_gradients(self, gradients: dict[str, Any], parameters: dict[str, Any]) -> Any:
         self._coefficients: dict[Any, Any] = {}
+        # A parameter's position, for the seeds of its state's rounding: its
+        # place in the gradients' tree, in which order ``apply_single`` is called.
+        self._position = 0
         return super().apply_gradients(gradients, parameters)
+
+    def _seeds(self, stored: list[mx.array], parameter: mx.array) -> tuple[mx.array, ...] | None:
+        """The rounding seeds of this parameter's ``stored`` states (None where
+        none is rounded stochastically), and the position moves on."""
+        position, self._position = self._position, self._position + 1
+        if not self._stochastic or all(x.dtype == parameter.dtype for x in stored):
+            return None
+        step = self.step.astype(mx.uint32)
+        return tuple(
+            rounding.rounding_seed(step, mx.array(4 * position + k, dtype=mx.uint32), _BITS)
+            for k in range(len(stored))
+        )
 
     def _coefficients_for(self, dtype: mx.Dtype) -> Any:
         if dtype not in self._coefficients:
@@ -204,6 +278,11 @@ class QHM(_QHOptimizer):
         param``) unless ``decoupled_weight_decay``.
       decoupled_weight_decay: multiply the parameter by ``1 - alpha * lambda``
         before the step instead (AdamW-style).
+      state_dtype: store the buffer in this dtype (``mx.bfloat16``: half a
+        float32 model's state); the step runs in the parameter's dtype and
+        writes back with :mod:`qhoptim.rounding`'s stochastic rounding.
+      stochastic_rounding: ``None`` (stochastic for bfloat16) or a bool;
+        ``False`` rounds to nearest.
 
     State per parameter: ``momentum_buffer``.
 
@@ -225,6 +304,9 @@ class QHM(_QHOptimizer):
         nu: float = 0.7,
         weight_decay: float = 0.0,
         decoupled_weight_decay: bool = False,
+        *,
+        state_dtype: mx.Dtype | None = None,
+        stochastic_rounding: bool | None = None,
     ) -> None:
         validation.check_qhm(
             lr=learning_rate,
@@ -237,6 +319,7 @@ class QHM(_QHOptimizer):
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
         self.momentum, self.nu = momentum, nu
         self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
+        self._set_state_dtype(state_dtype, stochastic_rounding)
 
     @classmethod
     def from_params(cls, params: convert.QHMParams, **kwargs: Any) -> QHM:
@@ -246,15 +329,18 @@ class QHM(_QHOptimizer):
 
     def init_single(self, parameter: mx.array, state: dict[str, Any]) -> None:
         _check_real(parameter)
-        state["momentum_buffer"] = mx.zeros_like(parameter)
+        state["momentum_buffer"] = self._zeros(parameter)
 
     def apply_single(
         self, gradient: mx.array, parameter: mx.array, state: dict[str, Any]
     ) -> mx.array:
         lr, factor = self._coefficients_for(parameter.dtype)
+        buf = state["momentum_buffer"]
+        seeds = self._seeds([buf], parameter)
+        seed = None if seeds is None else seeds[0]
         state["momentum_buffer"], parameter = _qhm_step(
-            gradient, parameter, state["momentum_buffer"], lr, factor,
-            self.momentum, self.nu, self._coupled_weight_decay(),
+            gradient, parameter, buf, lr, factor,
+            self.momentum, self.nu, self._coupled_weight_decay(), seed,
         )  # fmt: skip
         return parameter
 
@@ -289,6 +375,9 @@ class QHAdam(_QHOptimizer):
       amsgrad: the AMSGrad variant (:func:`qhoptim.rules.qhadam_amsgrad_update`,
         as ``torch.optim.Adam(amsgrad=True)``): the denominator reads the running
         maximum ``v_max`` of the uncorrected second moment, an extra state.
+      state_dtype: store the moments in this dtype (``mx.bfloat16``: 4 bytes
+        per float32 parameter instead of 8), as :class:`QHM`'s buffer.
+      stochastic_rounding: as :class:`QHM`'s.
 
     Example:
       >>> import mlx.core as mx
@@ -311,6 +400,8 @@ class QHAdam(_QHOptimizer):
         decoupled_weight_decay: bool = False,
         *,
         amsgrad: bool = False,
+        state_dtype: mx.Dtype | None = None,
+        stochastic_rounding: bool | None = None,
     ) -> None:
         validation.check_bool(amsgrad, "amsgrad")
         b1, b2 = validation.check_pair(betas, "betas")
@@ -335,6 +426,7 @@ class QHAdam(_QHOptimizer):
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
         self.betas, self.nus, self.eps, self.amsgrad = (b1, b2), (nu1, nu2), eps, amsgrad
         self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
+        self._set_state_dtype(state_dtype, stochastic_rounding)
 
     @classmethod
     def from_params(cls, params: convert.QHAdamParams, **kwargs: Any) -> QHAdam:
@@ -344,10 +436,10 @@ class QHAdam(_QHOptimizer):
 
     def init_single(self, parameter: mx.array, state: dict[str, Any]) -> None:
         _check_real(parameter)
-        state["m"] = mx.zeros_like(parameter)
-        state["v"] = mx.zeros_like(parameter)
+        state["m"] = self._zeros(parameter)
+        state["v"] = self._zeros(parameter)
         if self.amsgrad:
-            state["v_max"] = mx.zeros_like(parameter)
+            state["v_max"] = self._zeros(parameter)
 
     def _step_coefficients(self, dtype: mx.Dtype) -> tuple[rules.FoldedQHAdam, Any]:
         """This step's folded coefficients and decoupled decay factor, in ``dtype``.
@@ -373,13 +465,15 @@ class QHAdam(_QHOptimizer):
     ) -> mx.array:
         folded, factor = self._coefficients_for(parameter.dtype)
         if self.amsgrad and "v_max" not in state:  # amsgrad switched on for a stepped state
-            state["v_max"] = mx.zeros_like(state["v"])  # max(0, v) = v, as torch's
+            state["v_max"] = mx.zeros_like(state["v"])  # max(0, v) = v, as torch's (its dtype)
+        keys = ("m", "v", "v_max") if self.amsgrad else ("m", "v")
+        stored = [state[k] for k in keys]
         *moments, parameter = _qhadam_step(
-            gradient, parameter, state["m"], state["v"], state["v_max"] if self.amsgrad else None,
+            gradient, parameter, stored[0], stored[1], stored[2] if self.amsgrad else None,
             folded.denominator.value, tuple(folded[1:]), factor, *self.betas,
-            self._coupled_weight_decay(),
+            self._coupled_weight_decay(), self._seeds(stored, parameter),
         )  # fmt: skip
-        state.update(zip(("m", "v", "v_max") if self.amsgrad else ("m", "v"), moments, strict=True))
+        state.update(zip(keys, moments, strict=True))
         return parameter
 
 
@@ -399,5 +493,10 @@ class QHAdamW(QHAdam):
         weight_decay: float = 0.01,
         *,
         amsgrad: bool = False,
+        state_dtype: mx.Dtype | None = None,
+        stochastic_rounding: bool | None = None,
     ) -> None:
-        super().__init__(learning_rate, betas, nus, eps, weight_decay, True, amsgrad=amsgrad)
+        super().__init__(
+            learning_rate, betas, nus, eps, weight_decay, True, amsgrad=amsgrad,
+            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
+        )  # fmt: skip

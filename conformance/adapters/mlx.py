@@ -24,17 +24,18 @@ from . import closed_loop
 DTYPES = {"float32": mx.float32, "float64": mx.float64}
 
 
-def make_optimizer(case: Case, learning_rate: Any) -> qhmlx.QHM | qhmlx.QHAdam:
-    """The MLX optimizer a user would write for ``case`` (weight decay included)."""
+def make_optimizer(case: Case, learning_rate: Any, **options: Any) -> qhmlx.QHM | qhmlx.QHAdam:
+    """The MLX optimizer a user would write for ``case`` (weight decay included);
+    ``options`` (``state_dtype``, ...) are passed on."""
     hp, mode = case.hparams, case.weight_decay_mode
     decay = {"weight_decay": hp.get("weight_decay", 0.0)} if mode != "none" else {}
     if mode == "decoupled" and case.optimizer != "qhadamw":
         decay["decoupled_weight_decay"] = True
     if case.optimizer == "qhm":
-        return qhmlx.QHM(learning_rate, hp["momentum"], hp["nu"], **decay)
+        return qhmlx.QHM(learning_rate, hp["momentum"], hp["nu"], **decay, **options)
     cls = qhmlx.QHAdamW if case.optimizer == "qhadamw" else qhmlx.QHAdam
     betas, nus = tuple(hp["betas"]), tuple(hp["nus"])
-    return cls(learning_rate, betas, nus, hp["eps"], **decay, amsgrad=case.amsgrad)
+    return cls(learning_rate, betas, nus, hp["eps"], **decay, amsgrad=case.amsgrad, **options)
 
 
 class MLXAdapter:

@@ -1,0 +1,173 @@
+"""qhoptim.mlx with ``state_dtype``: state in bfloat16, stochastically rounded.
+
+The rounding is :mod:`qhoptim.rounding`'s, bit for bit (the same as torch's,
+optax's and Keras's); the trajectories follow float32 state's on the
+conformance problems; a resumed run rounds as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+import qhoptim.mlx as qhmlx
+from conformance.adapters.mlx import make_optimizer
+from conformance.cases import load_cases
+from conformance.problems import get_problem
+from qhoptim import rounding
+
+BF16 = mx.bfloat16
+OPTIMIZERS = {
+    "qhm": lambda **kw: qhmlx.QHM(0.1, momentum=0.9, nu=0.7, **kw),
+    "qhadam": lambda **kw: qhmlx.QHAdam(1e-2, nus=(0.7, 1.0), **kw),
+    "qhadamw-amsgrad": lambda **kw: qhmlx.QHAdamW(1e-2, nus=(0.7, 0.8), amsgrad=True, **kw),
+}
+
+
+def _params() -> dict[str, mx.array]:
+    rng = np.random.default_rng(0)
+    shapes = {"w": (64, 33), "b": (33,), "c": (7,)}
+    return {k: mx.array(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+
+
+def _grads(params: dict[str, mx.array], t: int) -> dict[str, mx.array]:
+    rng = np.random.default_rng(1000 + t)
+    return {k: mx.array(rng.standard_normal(p.shape).astype(np.float32)) for k, p in params.items()}
+
+
+def _run(opt: Any, params: dict[str, mx.array], steps: range) -> dict[str, mx.array]:
+    for t in steps:
+        params = opt.apply_gradients(_grads(params, t), params)
+        mx.eval(params, opt.state)
+    return params
+
+
+def _state_arrays(opt: Any) -> list[mx.array]:
+    return [v for k, v in tree_flatten(opt.state) if k != "step" and "learning_rate" not in k]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_state_is_stored_in_bfloat16_at_half_the_bytes(name: str) -> None:
+    narrow, wide = OPTIMIZERS[name](state_dtype=BF16), OPTIMIZERS[name]()
+    params = _params()
+    _run(narrow, params, range(2))
+    _run(wide, params, range(2))
+    assert {x.dtype for x in _state_arrays(narrow)} == {BF16}
+    narrow_bytes = sum(x.nbytes for x in _state_arrays(narrow))
+    assert 2 * narrow_bytes == sum(x.nbytes for x in _state_arrays(wide))
+    if name == "qhadam":  # 4 bytes per parameter instead of 8
+        assert narrow_bytes == 4 * sum(p.size for p in params.values())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_rounding_is_the_rule_every_backend_follows(compiled: bool) -> None:
+    # QHM with momentum 0 stores the gradient itself, rounded; "b" is the
+    # second parameter of the gradients' tree: state index 4 * 1.
+    g = mx.array(np.random.default_rng(3).standard_normal((50, 7)).astype(np.float32)) * 1e-3
+    grads = {"a": mx.ones(3), "b": g, "c": mx.ones(2)}
+    params = {"a": mx.zeros(3), "b": mx.zeros((50, 7)), "c": mx.zeros(2)}
+    opt = qhmlx.QHM(0.1, momentum=0.0, nu=0.7, state_dtype=BF16)
+    opt.init(params)
+
+    def step(params: dict[str, mx.array]) -> dict[str, mx.array]:
+        return opt.apply_gradients(grads, params)
+
+    run = mx.compile(step, inputs=opt.state, outputs=opt.state) if compiled else step
+    for t in (1, 2):
+        params = run(params)
+        mx.eval(params, opt.state)
+        stored = np.array(opt.state["b"]["momentum_buffer"].view(mx.uint16))
+        want = rounding.stochastic_round_reference(np.array(g), t, 4 * 1)
+        assert np.array_equal(stored, want)
+        assert not np.array_equal(stored, np.array(g.astype(BF16).view(mx.uint16)))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_resumed_run_rounds_as_the_uninterrupted_one(name: str, tmp_path: Any) -> None:
+    straight = OPTIMIZERS[name](state_dtype=BF16)
+    final = _run(straight, _params(), range(10))
+    first = OPTIMIZERS[name](state_dtype=BF16)
+    half = _run(first, _params(), range(5))
+    # Saved as MLX users save optimizer state: flattened, to safetensors.
+    path = str(tmp_path / "state.safetensors")
+    mx.save_safetensors(path, dict(tree_flatten(first.state)))
+    resumed = OPTIMIZERS[name](state_dtype=BF16)
+    resumed.state = tree_unflatten(list(mx.load(path).items()))
+    resumed_final = _run(resumed, half, range(5, 10))
+    for k in final:
+        assert np.array_equal(np.array(final[k]), np.array(resumed_final[k]))
+
+
+def test_float16_state_and_rounding_off_round_to_nearest() -> None:
+    for kwargs in (
+        {"state_dtype": mx.float16},
+        {"state_dtype": BF16, "stochastic_rounding": False},
+    ):
+        opt, wide = qhmlx.QHAdam(1e-2, **kwargs), qhmlx.QHAdam(1e-2)
+        _run(opt, _params(), range(1))
+        _run(wide, _params(), range(1))
+        for k in opt.state:
+            if k == "step" or k == "learning_rate":
+                continue
+            want = wide.state[k]["m"].astype(kwargs["state_dtype"])
+            assert mx.array_equal(opt.state[k]["m"], want).item()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"state_dtype": mx.int8}, ValueError, r"state_dtype must be None or one of bfloat16"),
+        ({"state_dtype": "bfloat16"}, ValueError, r"received state_dtype='bfloat16'"),
+        ({"stochastic_rounding": 1}, TypeError, r"stochastic_rounding must be None or a bool"),
+    ],
+)
+@pytest.mark.parametrize("cls", [qhmlx.QHM, qhmlx.QHAdam, qhmlx.QHAdamW])
+def test_invalid_settings_are_refused(
+    cls: type, kwargs: dict[str, Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        cls(0.1, **kwargs)
+
+
+def test_a_state_wider_than_the_parameters_is_refused() -> None:
+    opt = qhmlx.QHAdam(1e-2, state_dtype=mx.float32)
+    with pytest.raises(ValueError, match=r"wider than a parameter's dtype float16"):
+        opt.init({"x": mx.zeros(3, dtype=mx.float16)})
+
+
+# |nu| > 1 weights the stored buffer by more than 1 (as in torch's test).
+AMPLIFIED = {"qhm-nu-above-one-quadratic": 2e-2}
+
+
+def _conformance_cases() -> list[Any]:
+    names = {"qhm", "qhadam", "qhadamw"}
+    cases = load_cases()
+    return [c for c in cases if c.optimizer in names and c.schedule.get("kind") == "constant"]
+
+
+@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
+    problem = get_problem(case.problem_name)
+
+    def trajectory(**options: Any) -> np.ndarray:
+        opt = make_optimizer(case, case.hparams["lr"], **options)
+        params = {
+            f"p{i}": mx.array(a.astype(np.float32)) for i, a in enumerate(problem.split(problem.x0))
+        }
+        out = []
+        for t in range(100):
+            x = problem.join([np.array(p, dtype=np.float64) for p in params.values()])
+            grads = problem.split(problem.grad(x, t))
+            named = {k: mx.array(g.astype(np.float32)) for k, g in zip(params, grads, strict=True)}
+            params = opt.apply_gradients(named, params)
+            mx.eval(params, opt.state)
+            out.append(problem.join([np.array(p, dtype=np.float64) for p in params.values()]))
+        return np.array(out)
+
+    wide, narrow = trajectory(), trajectory(state_dtype=BF16)
+    relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
+    assert relative.max() <= AMPLIFIED.get(case.name, 1e-2)
