@@ -1,6 +1,7 @@
 """Time one optimizer step of qhoptim.mlx against MLX's own optimizers.
 
     python -m benchmarks.mlx_step [--repeats 40] [--suites resnet18 500x1k]
+                                  [--state-dtype bfloat16]
 
 For ResNet-18-shaped float32 parameters and 500 tensors of 1,000 elements
 (``benchmarks/shapes.py``), every optimizer gets its own parameters and the
@@ -16,6 +17,9 @@ the parameters and the state, timed two ways:
 Prints the median ms per step and the ratio of each QH optimizer to its MLX
 counterpart: QHM vs ``SGD(momentum=0.9, nesterov=True)``, QHAdam vs
 ``Adam(bias_correction=True)`` (QHAdam is always bias-corrected).
+``--state-dtype bfloat16`` adds each QH optimizer with its state stored in
+bfloat16 (``state_dtype``, stochastically rounded), timed in the same rounds,
+with its ratio to the float32-state step.
 """
 
 from __future__ import annotations
@@ -53,12 +57,24 @@ def _step_fn(opt: optim.Optimizer, compiled: bool) -> Callable[[Any, Any], Any]:
     return mx.compile(step, inputs=state, outputs=state)
 
 
-def bench(shapes: list[tuple[int, ...]], compiled: bool, repeats: int) -> dict[str, float]:
+NARROW = {
+    "qhm": lambda dtype: qhmlx.QHM(0.1, momentum=0.999, nu=0.7, state_dtype=dtype),
+    "qhadam": lambda dtype: qhmlx.QHAdam(1e-3, nus=(0.7, 1.0), state_dtype=dtype),
+}
+
+
+def bench(
+    shapes: list[tuple[int, ...]], compiled: bool, repeats: int, state_dtype: str | None = None
+) -> dict[str, float]:
     grads = {
         f"p{i}": mx.random.normal(s, key=mx.random.key(i)) * 1e-3 for i, s in enumerate(shapes)
     }
     mx.eval(grads)
     factories = {name: make for name, (make, _) in PAIRS.items()} | BASELINES
+    if state_dtype is not None:
+        dtype = getattr(mx, state_dtype)
+        for name, make_narrow in NARROW.items():
+            factories[f"{name}-{state_dtype}"] = lambda m=make_narrow: m(dtype)
     runs = {}
     for name, make in factories.items():
         opt = make()
@@ -83,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
+    parser.add_argument("--state-dtype", default=None, help="also time state_dtype=this")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
     print(f"mlx {mx.__version__}, device {mx.default_device()}, {platform.machine()}")
@@ -92,7 +109,7 @@ def main() -> None:
     )
     for suite in args.suites:
         for compiled in (False, True):
-            ms = bench(SUITES[suite], compiled, args.repeats)
+            ms = bench(SUITES[suite], compiled, args.repeats, args.state_dtype)
             for name, (_, base) in PAIRS.items():
                 mode = "compiled" if compiled else "eager"
                 print(
@@ -100,6 +117,13 @@ def main() -> None:
                     f"{ms[base]:>9.2f}{ms[name] / ms[base]:>8.2f}",
                     flush=True,
                 )
+                narrow = f"{name}-{args.state_dtype}"
+                if narrow in ms:
+                    print(
+                        f"{suite:<10}{mode:<10}{narrow:<12}{ms[narrow]:>9.2f}{name:>14}"
+                        f"{ms[name]:>9.2f}{ms[narrow] / ms[name]:>8.2f}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

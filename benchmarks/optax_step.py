@@ -1,6 +1,7 @@
 """Time one jitted optimizer step (update + apply) of qhoptim.optax against optax.
 
     python -m benchmarks.optax_step [--repeats 40] [--scale [--sizes 1e6 1e7 1e8]]
+                                    [--state-dtype bfloat16]
 
 For ResNet-18-shaped float32 parameters and 500 tensors of 1,000 elements,
 with and without buffer donation, interleaving the optimizers round by round
@@ -8,6 +9,9 @@ so they share the machine's state; prints the median ms per step and the ratio
 of each QH optimizer to its optax counterpart (QHM vs
 ``optax.sgd(momentum=0.9, nesterov=True)``, QHAdam vs ``optax.adam``).
 ``--scale`` times one flat tensor of each size instead (with donation).
+``--state-dtype bfloat16`` adds each QH optimizer with its state stored in
+bfloat16 (``state_dtype``, stochastically rounded), timed in the same rounds,
+with its ratio to the float32-state step.
 """
 
 from __future__ import annotations
@@ -43,10 +47,21 @@ def _step_fn(tx: optax.GradientTransformation, donate: bool) -> Callable[..., An
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-def bench(shapes: list[tuple[int, ...]], donate: bool, repeats: int) -> dict[str, float]:
+NARROW = {
+    "qhm": lambda dtype: qho.qhm(0.1, 0.999, 0.7, state_dtype=dtype),
+    "qhadam": lambda dtype: qho.qhadam(1e-3, nu1=0.7, state_dtype=dtype),
+}
+
+
+def bench(
+    shapes: list[tuple[int, ...]], donate: bool, repeats: int, state_dtype: str | None = None
+) -> dict[str, float]:
     key = jax.random.PRNGKey(0)
     grads = [jax.random.normal(jax.random.fold_in(key, i), s) * 1e-3 for i, s in enumerate(shapes)]
     factories = {name: make for name, (make, _) in PAIRS.items()} | BASELINES
+    if state_dtype is not None:
+        for name, make_narrow in NARROW.items():
+            factories[f"{name}-{state_dtype}"] = lambda m=make_narrow: m(state_dtype)
     runs = {}
     for name, make in factories.items():
         tx = make()
@@ -70,6 +85,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--scale", action="store_true", help="one flat tensor per size")
     parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 1e8])
+    parser.add_argument("--state-dtype", default=None, help="also time state_dtype=this")
     args = parser.parse_args()
     suites = SUITES
     if args.scale:
@@ -81,12 +97,18 @@ def main() -> None:
     )
     for suite, shapes in suites.items():
         for donate in (True,) if args.scale else (True, False):
-            ms = bench(shapes, donate, args.repeats)
+            ms = bench(shapes, donate, args.repeats, args.state_dtype)
             for name, (_, base) in PAIRS.items():
                 print(
                     f"{suite:<10}{donate!s:<8}{name:<14}{ms[name]:>9.2f}{base:>14}"
                     f"{ms[base]:>9.2f}{ms[name] / ms[base]:>8.2f}"
                 )
+                narrow = f"{name}-{args.state_dtype}"
+                if narrow in ms:
+                    print(
+                        f"{suite:<10}{donate!s:<8}{narrow:<14}{ms[narrow]:>9.2f}{name:>14}"
+                        f"{ms[name]:>9.2f}{ms[narrow] / ms[name]:>8.2f}"
+                    )
 
 
 if __name__ == "__main__":

@@ -89,9 +89,11 @@ def _check_keras_version(version: str, environ: Any = os.environ) -> None:
 
 _check_keras_version(keras.__version__)
 
+import functools  # noqa: E402
+
 from keras import ops  # noqa: E402
 
-from qhoptim import convert, rules, validation  # noqa: E402
+from qhoptim import convert, rounding, rules, validation  # noqa: E402
 
 try:  # the text Keras's own optimizers substitute for {{base_optimizer_keyword_args}}
     from keras.src.optimizers.optimizer import base_optimizer_keyword_args as _BASE_ARGS
@@ -245,6 +247,93 @@ def _qhadam_amsgrad_step(
     return exp_avg, exp_avg_sq, max_exp_avg_sq, _new_value(param, update, lr, weight_decay)
 
 
+# ------------------------------------------------------------- narrow state
+# Unsigned 32-bit arithmetic of the TensorFlow and JAX backends (their uint32
+# tensors wrap); constants are made as uint32 tensors, which JAX requires above
+# 2**31 - 1. On torch, the rounding is qhoptim.torch's (Python-int seeds).
+_BITS = rounding.Bits(
+    const=lambda c: ops.convert_to_tensor(c, "uint32"),
+    shift=lambda x, n: ops.right_shift(x, ops.convert_to_tensor(n, "uint32")),
+)
+
+
+def _state_dtype_name(state_dtype: Any) -> str | None:
+    """Keras's name of ``state_dtype`` (``"bfloat16"``, ...), None if it names no dtype."""
+    try:
+        return str(keras.backend.standardize_dtype(state_dtype))
+    except (ValueError, TypeError):
+        return None
+
+
+def _itemsize(name: str) -> int:
+    """Bytes per value of the dtype Keras names ``name`` (``"bfloat16"``: 2)."""
+    digits = "".join(c for c in name if c.isdigit())
+    return int(digits) // 8 if digits else 1
+
+
+def _state_seed(iterations: Any, first: Any, k: int) -> Any:
+    """The rounding seed (:func:`qhoptim.rounding.rounding_seed`) of state
+    ``first + k`` in the step after ``iterations`` -- a Python int on torch
+    (eager), a uint32 tensor on TensorFlow and JAX (traced)."""
+    if _BACKEND == "torch":
+        return rounding.rounding_seed((int(iterations) + 1) & rounding.MASK32, int(first) + k)
+    step = ops.cast(iterations, "uint32") + _BITS.const(1)
+    return rounding.rounding_seed(step, first + _BITS.const(k), _BITS)
+
+
+def _store(value: Any, dtype: str, seed: Any) -> Any:
+    """A step's new state in the slot's ``dtype``: with a ``seed``, rounded to
+    bfloat16 stochastically (:mod:`qhoptim.rounding`), else cast (to nearest)."""
+    if seed is None:
+        return ops.cast(value, dtype)
+    if _BACKEND == "torch":
+        import torch
+
+        from qhoptim.torch import _state_dtype
+
+        out = torch.empty(value.shape, dtype=torch.bfloat16, device=value.device)
+        _state_dtype.stochastic_round_(out, value, seed)
+        return out
+    x = ops.cast(value, "float32")
+    if _BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        # Its step is traced for shapes unknown until XLA compiles it (Keras's
+        # ops want a known rank), and XLA has no uint32 range.
+        positions = tf.reshape(tf.cast(tf.range(tf.size(x)), tf.uint32), tf.shape(x))
+        bitcast = tf.bitcast
+    else:
+        positions = ops.reshape(ops.arange(ops.size(x), dtype="uint32"), ops.shape(x))
+        bitcast = ops.view
+    noise = rounding.noise16(positions, seed, _BITS)
+    bits = rounding.round_bits(bitcast(x, "uint32"), noise, _BITS)
+    return ops.cast(bitcast(bits, "float32"), "bfloat16")
+
+
+@functools.cache
+def _with_narrow_state(step: Any) -> Any:
+    """``step`` for slots stored narrower than their variable: the slots are
+    read in the variable's dtype, the rule runs there, and the new slots are
+    stored back (:func:`_store`). Its inputs gain the optimizer's
+    ``iterations`` and the variable's first state index (``4 * position``);
+    one function per rule, so that compiled steps are reused."""
+
+    def narrow_step(
+        *args: Any, state_dtype: str, stochastic: bool, slots: int, **hparams: Any
+    ) -> tuple[Any, ...]:
+        *inputs, iterations, first = args[: -(slots + 1)]
+        stored, param = args[-(slots + 1) : -1], args[-1]
+        working = [ops.cast(s, param.dtype) for s in stored]
+        *new_slots, new_param = step(*inputs, *working, param, **hparams)
+        out = []
+        for k, value in enumerate(new_slots):
+            seed = _state_seed(iterations, first, k) if stochastic else None
+            out.append(_store(value, state_dtype, seed))
+        return (*out, new_param)
+
+    return narrow_step
+
+
 # ---------------------------------------------------------------------- plumbing
 def _float(value: Any) -> Any:
     """Concrete real numbers as Python floats (JSON-serializable config); others as given.
@@ -289,6 +378,57 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
 
     #: Which rule ``update_step`` runs, for backends with whole-list kernels.
     _RULE: str
+
+    #: The slots' dtype (Keras's name) and rounding; see :meth:`_set_state_dtype`.
+    state_dtype: str | None = None
+    stochastic_rounding: bool | None = None
+    _building_slots = False
+
+    def _set_state_dtype(self, state_dtype: Any, stochastic_rounding: Any) -> None:
+        """Check and keep ``state_dtype`` and ``stochastic_rounding``."""
+        name = None if state_dtype is None else _state_dtype_name(state_dtype)
+        rounding.check_state_dtype(name, state_dtype, allowed=rounding.STATE_DTYPES)
+        rounding.check_stochastic_rounding(stochastic_rounding)
+        self.state_dtype, self.stochastic_rounding = name, stochastic_rounding
+
+    def _add_slots(self, var_list: Any, names: Any) -> Any:
+        """``add_optimizer_variables``, the slots in ``state_dtype`` if one is set."""
+        self._building_slots = True
+        try:
+            return self.add_optimizer_variables(var_list, names)
+        finally:
+            self._building_slots = False
+
+    def add_variable(
+        self,
+        shape: Any,
+        initializer: Any = "zeros",
+        dtype: Any = None,
+        aggregation: str = "none",
+        **kwargs: Any,
+    ) -> Any:
+        """Keras's ``add_variable``; a slot being built takes ``state_dtype``."""
+        if self._building_slots and self.state_dtype is not None and dtype is not None:
+            param = _state_dtype_name(dtype) or str(dtype)
+            rounding.check_real(param.startswith("complex"))
+            rounding.check_narrower(
+                self.state_dtype, _itemsize(self.state_dtype), param, _itemsize(param)
+            )
+            dtype = self.state_dtype
+        return super().add_variable(shape, initializer, dtype, aggregation, **kwargs)
+
+    def _state_config(self) -> dict[str, Any]:
+        """The config entries of a narrow state (none without one: configs stay
+        loadable by versions before ``state_dtype``)."""
+        if self.state_dtype is None and self.stochastic_rounding is None:
+            return {}
+        return {"state_dtype": self.state_dtype, "stochastic_rounding": self.stochastic_rounding}
+
+    def _narrow(self, variable: Any) -> bool:
+        """Whether ``variable``'s slots are stored narrower than it."""
+        return self.state_dtype is not None and self.state_dtype != _state_dtype_name(
+            variable.dtype
+        )
 
     def _apply_weight_decay(self, variables: Any) -> None:
         # Decoupled decay is part of each variable's step (``_new_value``, i.e.
@@ -360,7 +500,7 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
                 raise ValueError(
                     f"{name} cannot load its variable {i} ({variable.path}): {error}"
                 ) from error
-            if value.dtype.kind not in "biuf":
+            if value.dtype.kind not in "biuf" and value.dtype.name != "bfloat16":
                 raise ValueError(
                     f"{name} cannot load its variable {i} ({variable.path}): saved with "
                     f"dtype {value.dtype}, not a number"
@@ -389,15 +529,30 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
         """The slot variables of model variable ``index``, in the order the step takes them."""
         raise NotImplementedError
 
-    def _run_step(self, step: Any, inputs: list[Any], state: list[Any], **hparams: Any) -> None:
-        """``state <- step(*inputs, *state, **hparams)`` for one model variable (``state[-1]``).
+    def _run_step(
+        self, step: Any, inputs: list[Any], state: list[Any], position: int, **hparams: Any
+    ) -> None:
+        """``state <- step(*inputs, *state, **hparams)`` for one model variable (``state[-1]``),
+        the ``position``-th of the optimizer.
 
         ``inputs[0]`` is the gradient; the other inputs are scalars (learning
-        rate, step count). ``hparams`` are Python values.
+        rate, step count). ``hparams`` are Python values. Slots stored
+        narrower than the variable (``state_dtype``) step through
+        :func:`_with_narrow_state`, seeded by ``iterations`` and ``position``.
         """
         dtype = state[-1].dtype
         gradient = self._dense(ops.cast(inputs[0], dtype))
         inputs = [gradient, *(_scalar_input(x, dtype) for x in inputs[1:])]
+        if self._narrow(state[-1]):
+            step = _with_narrow_state(step)
+            first = ops.convert_to_tensor(4 * position, "uint32")
+            inputs = [*inputs, self.iterations, first]
+            hparams = dict(
+                hparams,
+                state_dtype=self.state_dtype,
+                stochastic=rounding.stochastic(self.state_dtype, self.stochastic_rounding),
+                slots=len(state) - 1,
+            )
         self._step_variable(step, inputs, state, hparams)
 
     # The step hooks (see the class docstring).
@@ -478,6 +633,14 @@ class QHM(_QHOptimizer):
             real; conversions from other algorithms may give values outside
             ``[0, 1]``). Defaults to `0.7`.
         {{base_optimizer_keyword_args}}
+        state_dtype: String (keyword only). Store the momentum slot in this
+            dtype, e.g. ``"bfloat16"`` (half a float32 model's slot memory);
+            the step runs in the variable's dtype and writes the slot back
+            with ``qhoptim.rounding``'s stochastic rounding. Defaults to
+            `None` (the variable's dtype).
+        stochastic_rounding: Boolean or `None` (keyword only). With
+            ``state_dtype``: `None` rounds bfloat16 stochastically, `False`
+            to nearest. Defaults to `None`.
 
     Note: ``weight_decay`` is Keras's decoupled weight decay
     (:math:`\theta \leftarrow \theta (1 - \alpha\lambda)` before the step), as
@@ -506,6 +669,9 @@ class QHM(_QHOptimizer):
         loss_scale_factor=None,
         gradient_accumulation_steps=None,
         name=None,
+        *,
+        state_dtype=None,
+        stochastic_rounding=None,
         **kwargs,
     ):
         learning_rate = _learning_rate(learning_rate)
@@ -532,6 +698,7 @@ class QHM(_QHOptimizer):
         )
         self.momentum = _float(momentum)
         self.nu = _float(nu)
+        self._set_state_dtype(state_dtype, stochastic_rounding)
 
     @classmethod
     def from_params(cls, params, **kwargs):
@@ -558,7 +725,7 @@ class QHM(_QHOptimizer):
         if self.built:
             return
         super().build(var_list)
-        self._momentums = self.add_optimizer_variables(var_list, "momentum")
+        self._momentums = self._add_slots(var_list, "momentum")
 
     def _layout(self):
         return 1
@@ -571,17 +738,19 @@ class QHM(_QHOptimizer):
 
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
+        index = self._get_variable_index(variable)
         self._run_step(
             _qhm_step,
             [gradient, learning_rate],
-            [*self._slots(self._get_variable_index(variable)), variable],
+            [*self._slots(index), variable],
+            index,
             weight_decay=self._weight_decay_for(variable),
             **self._hyperparameters(),
         )
 
     def get_config(self):
         config = super().get_config()
-        config.update({"momentum": self.momentum, "nu": self.nu})
+        config.update({"momentum": self.momentum, "nu": self.nu, **self._state_config()})
         return config
 
     #: The learning rate of ``QHM`` built by name (``"qhm"``), where there is no
@@ -664,6 +833,11 @@ class QHAdam(_QHOptimizer):
             the running maximum of the second moment (slot ``velocity_hat``)
             takes its place in the denominator, bias-corrected by the current
             step. Defaults to `False`.
+        state_dtype: String (keyword only). Store the slots in this dtype,
+            e.g. ``"bfloat16"``: 4 bytes per float32 parameter instead of 8,
+            rounded stochastically as :class:`QHM`'s. Defaults to `None`.
+        stochastic_rounding: Boolean or `None` (keyword only), as
+            :class:`QHM`'s. Defaults to `None`.
 
     Reference:
         - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 5.
@@ -691,6 +865,8 @@ class QHAdam(_QHOptimizer):
         name=None,
         *,
         amsgrad=False,
+        state_dtype=None,
+        stochastic_rounding=None,
         **kwargs,
     ):
         learning_rate = _learning_rate(learning_rate)
@@ -725,6 +901,7 @@ class QHAdam(_QHOptimizer):
         self.nu_2 = _float(nu_2)
         self.epsilon = _float(epsilon)
         self.amsgrad = amsgrad
+        self._set_state_dtype(state_dtype, stochastic_rounding)
 
     @classmethod
     def from_params(cls, params, **kwargs):
@@ -761,11 +938,9 @@ class QHAdam(_QHOptimizer):
         if self.built:
             return
         super().build(var_list)
-        self._momentums, self._velocities = self.add_optimizer_variables(
-            var_list, ["momentum", "velocity"]
-        )
+        self._momentums, self._velocities = self._add_slots(var_list, ["momentum", "velocity"])
         if self.amsgrad:
-            self._velocity_hats = self.add_optimizer_variables(var_list, "velocity_hat")
+            self._velocity_hats = self._add_slots(var_list, "velocity_hat")
 
     def _layout(self):
         return 3 if self.amsgrad else 2
@@ -785,10 +960,12 @@ class QHAdam(_QHOptimizer):
 
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
+        index = self._get_variable_index(variable)
         self._run_step(
             _qhadam_amsgrad_step if self.amsgrad else _qhadam_step,
             [gradient, learning_rate, self.iterations],
-            [*self._slots(self._get_variable_index(variable)), variable],
+            [*self._slots(index), variable],
+            index,
             weight_decay=self._weight_decay_for(variable),
             bias_dtype=_bias_correction_dtype(),
             **self._hyperparameters(),
@@ -804,6 +981,7 @@ class QHAdam(_QHOptimizer):
                 "nu_2": self.nu_2,
                 "epsilon": self.epsilon,
                 "amsgrad": self.amsgrad,
+                **self._state_config(),
             }
         )
         return config
@@ -838,6 +1016,7 @@ class QHAdamW(QHAdam):
         {{base_optimizer_keyword_args}}
         amsgrad: Boolean (keyword only). The AMSGrad variant, as in
             :class:`QHAdam`. Defaults to `False`.
+        state_dtype, stochastic_rounding: keyword only, as in :class:`QHAdam`.
 
     References:
         - [Ma & Yarats, 2019](https://arxiv.org/abs/1810.06801), section 5.
@@ -864,6 +1043,8 @@ class QHAdamW(QHAdam):
         name=None,
         *,
         amsgrad=False,
+        state_dtype=None,
+        stochastic_rounding=None,
         **kwargs,
     ):
         # None means "no decay" for QHAdam (Keras's convention); QHAdamW is the
@@ -887,6 +1068,8 @@ class QHAdamW(QHAdam):
             gradient_accumulation_steps=gradient_accumulation_steps,
             name=name,
             amsgrad=amsgrad,
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
             **kwargs,
         )
 

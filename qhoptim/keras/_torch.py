@@ -61,14 +61,15 @@ class TorchStep:
         launch every operation of the rule once per variable. The variables
         are grouped by their decoupled weight decay (the kernels group by
         device and dtype); the generic path remains for what the kernels do not
-        take (hyperparameters that are tensors, complex variables,
-        ``torch.compile``).
+        take (hyperparameters that are tensors, complex variables, slots in a
+        narrower ``state_dtype``, ``torch.compile``).
         """
         generic = super()._backend_update_step  # type: ignore[misc]
         hparams = self._hyperparameters()
         wd = 0.0 if self.weight_decay is None else validation.concrete_float(self.weight_decay)
         numbers = all(isinstance(x, float) for x in hparams.values())
-        if not numbers or wd is None or torch.compiler.is_compiling():
+        narrow = any(self._narrow(v) for v in trainable_variables)
+        if not numbers or wd is None or narrow or torch.compiler.is_compiling():
             return generic(grads, trainable_variables, learning_rate)  # type: ignore[no-any-return]
         # Eager torch: the learning rate (Keras's variable, a schedule's
         # tensor, a callable's number) is concrete; read once per step.
