@@ -1,6 +1,7 @@
 """Time one optimizer step of qhoptim.keras against Keras's own optimizers.
 
     python benchmarks/keras_step.py [--repeats 30] [--backends tensorflow jax torch]
+                                    [--state-dtype bfloat16]
 
 Each Keras backend runs in its own process (``KERAS_BACKEND`` is fixed at
 import), the way ``model.fit`` applies gradients there:
@@ -21,6 +22,9 @@ share the machine's state; the table shows the median ms per step over
 Keras counterpart: QHM vs ``SGD(momentum=0.9, nesterov=True)``, QHAdam vs
 ``Adam``. Tracing 500 variables into a ``tf.function`` dominates the run time
 (about 3 minutes for the default backends on a 2-core machine).
+``--state-dtype bfloat16`` adds each QH optimizer with its slots stored in
+bfloat16 (``state_dtype``, stochastically rounded), with its ratio to the
+float32-slot step.
 """
 
 from __future__ import annotations
@@ -41,17 +45,25 @@ WARMUP = 3
 PAIRS = {"qhm": "sgd-nesterov", "qhadam": "adam"}
 
 
-def _optimizers() -> dict[str, Any]:
+def _optimizers(state_dtype: str | None = None) -> dict[str, Any]:
     import keras
 
     import qhoptim.keras as qk
 
-    return {
+    optimizers = {
         "qhm": lambda: qk.QHM(0.1, momentum=0.999, nu=0.7),
         "qhadam": lambda: qk.QHAdam(1e-3, nu_1=0.7),
         "sgd-nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
         "adam": lambda: keras.optimizers.Adam(1e-3),
     }
+    if state_dtype is not None:
+        optimizers[f"qhm-{state_dtype}"] = lambda: qk.QHM(
+            0.1, momentum=0.999, nu=0.7, state_dtype=state_dtype
+        )
+        optimizers[f"qhadam-{state_dtype}"] = lambda: qk.QHAdam(
+            1e-3, nu_1=0.7, state_dtype=state_dtype
+        )
+    return optimizers
 
 
 def _stepper(backend: str, opt: Any, shapes: list[tuple[int, ...]], grads: list[Any]) -> Any:
@@ -94,7 +106,9 @@ def _stepper(backend: str, opt: Any, shapes: list[tuple[int, ...]], grads: list[
     return step
 
 
-def run_backend(backend: str, repeats: int) -> dict[str, dict[str, float]]:
+def run_backend(
+    backend: str, repeats: int, state_dtype: str | None = None
+) -> dict[str, dict[str, float]]:
     """Median ms per step of every optimizer on every suite, in this process's backend."""
     import keras
     import numpy as np
@@ -111,7 +125,8 @@ def run_backend(backend: str, repeats: int) -> dict[str, dict[str, float]]:
             for s in shapes
         ]
         steps = {
-            name: _stepper(backend, make(), shapes, grads) for name, make in _optimizers().items()
+            name: _stepper(backend, make(), shapes, grads)
+            for name, make in _optimizers(state_dtype).items()
         }
         times: dict[str, list[float]] = {name: [] for name in steps}
         for i in range(WARMUP + repeats):
@@ -148,22 +163,24 @@ def main() -> None:
         default=["tensorflow", "jax", "torch"],
         choices=["tensorflow", "jax", "torch"],
     )
+    parser.add_argument("--state-dtype", default=None, help="also time state_dtype=this")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one backend, print JSON
     args = parser.parse_args()
 
     if args.child:
-        ms = run_backend(args.child, args.repeats)
+        ms = run_backend(args.child, args.repeats, args.state_dtype)
         print(json.dumps({"versions": _versions(args.child), "ms": ms}))
         return
 
     versions = []
-    header = f"{'backend':<12}{'params':<10}{'optimizer':<10}{'ms':>9}{'baseline':>14}{'ms':>9}"
+    header = f"{'backend':<12}{'params':<10}{'optimizer':<16}{'ms':>9}{'baseline':>14}{'ms':>9}"
     print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / Keras baseline\n")
     print(header + f"{'ratio':>8}")
     for backend in args.backends:
         env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT))
+        narrow = ["--state-dtype", args.state_dtype] if args.state_dtype else []
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", backend, "--repeats", str(args.repeats)],
+            [sys.executable, __file__, "--child", backend, "--repeats", str(args.repeats), *narrow],
             env=env,
             cwd=ROOT,
             capture_output=True,
@@ -177,9 +194,15 @@ def main() -> None:
         for suite, ms in out["ms"].items():
             for name, base in PAIRS.items():
                 print(
-                    f"{backend:<12}{suite:<10}{name:<10}{ms[name]:>9.2f}{base:>14}"
+                    f"{backend:<12}{suite:<10}{name:<16}{ms[name]:>9.2f}{base:>14}"
                     f"{ms[base]:>9.2f}{ms[name] / ms[base]:>8.2f}"
                 )
+                narrow_name = f"{name}-{args.state_dtype}"
+                if narrow_name in ms:
+                    print(
+                        f"{backend:<12}{suite:<10}{narrow_name:<16}{ms[narrow_name]:>9.2f}"
+                        f"{name:>14}{ms[name]:>9.2f}{ms[narrow_name] / ms[name]:>8.2f}"
+                    )
     print("\n" + "; ".join(versions))
 
 

@@ -40,6 +40,7 @@ from typing import Any
 try:
     import mlx.core as mx
     import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
 except ImportError as error:  # pragma: no cover - exercised where MLX is absent
     raise ImportError(
         f"qhoptim.mlx needs MLX ({error.name} is not installed). "
@@ -94,17 +95,18 @@ def _stored(value: mx.array, dtype: mx.Dtype, seed: mx.array | None) -> mx.array
 @mx.compile
 def _qhm_step(
     grad: mx.array, param: mx.array, buf: mx.array, lr: mx.array, factor: Any,
-    momentum: Any, nu: Any, coupled_wd: Any, seed: mx.array | None = None,
+    momentum: Any, nu: Any, coupled_wd: Any, seeds: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:  # fmt: skip
     """One parameter's step; ``lr`` (in the parameter's dtype) and the decoupled
     decay ``factor`` are this step's, computed once for all parameters. The
     weights stay Python numbers, constants of the kernel: each array scalar is
     one more broadcast input of the fused kernel, measurably slower on the CPU.
     A buffer stored narrower than the parameter steps in the parameter's dtype
-    and is stored back with :func:`_stored` (``seed``)."""
+    and is stored back with :func:`_stored` (``seeds[0]``)."""
     if coupled_wd:
         grad = rules.coupled_weight_decay(grad, param, coupled_wd)
     new_buf, direction = rules.qhm_update(grad, _working(buf, param), momentum=momentum, nu=nu)
+    seed = None if seeds is None else seeds[0]
     return _stored(new_buf, buf.dtype, seed), rules.apply_update(param, direction, lr, factor)
 
 
@@ -127,7 +129,7 @@ def _scaled(param: mx.array, factor: Any) -> mx.array:
 def _qhadam_step(
     grad: mx.array, param: mx.array, m: mx.array, v: mx.array, v_max: mx.array | None,
     form: Any, weights: tuple[Any, ...], factor: Any, b1: Any, b2: Any, coupled_wd: Any,
-    seeds: tuple[mx.array, ...] | None = None,
+    seeds: mx.array | None = None,
 ) -> tuple[mx.array, ...]:  # fmt: skip
     """One parameter's step in the folded form the fused kernels of every
     backend use (:func:`qhoptim.rules.folded_qhadam_step`): the step's scalar
@@ -149,7 +151,9 @@ def _qhadam_step(
     param = _scaled(param, factor) + delta
     moments = [
         _stored(x, kept.dtype, seed)
-        for x, kept, seed in zip([m, v, *rest], stored, seeds or [None] * 3, strict=False)
+        for x, kept, seed in zip(
+            [m, v, *rest], stored, [None] * 3 if seeds is None else seeds, strict=False
+        )
     ]
     return (*moments, param)
 
@@ -224,19 +228,25 @@ class _QHOptimizer(optim.Optimizer):
         # A parameter's position, for the seeds of its state's rounding: its
         # place in the gradients' tree, in which order ``apply_single`` is called.
         self._position = 0
+        self._parameters = len(tree_flatten(gradients))
+        self._step_seeds: mx.array | None = None
         return super().apply_gradients(gradients, parameters)
 
-    def _seeds(self, stored: list[mx.array], parameter: mx.array) -> tuple[mx.array, ...] | None:
+    def _seeds(self, stored: list[mx.array], parameter: mx.array) -> mx.array | None:
         """The rounding seeds of this parameter's ``stored`` states (None where
-        none is rounded stochastically), and the position moves on."""
+        none is rounded stochastically), and the position moves on.
+
+        Every state's seed of the step is computed at once, on the first call
+        (one small array: a few operations per step, not per parameter).
+        """
         position, self._position = self._position, self._position + 1
         if not self._stochastic or all(x.dtype == parameter.dtype for x in stored):
             return None
-        step = self.step.astype(mx.uint32)
-        return tuple(
-            rounding.rounding_seed(step, mx.array(4 * position + k, dtype=mx.uint32), _BITS)
-            for k in range(len(stored))
-        )
+        if self._step_seeds is None:
+            indices = mx.arange(4 * self._parameters, dtype=mx.uint32)
+            seeds = rounding.rounding_seed(self.step.astype(mx.uint32), indices, _BITS)
+            self._step_seeds = _materialized(seeds)
+        return self._step_seeds[4 * position : 4 * position + len(stored)]
 
     def _coefficients_for(self, dtype: mx.Dtype) -> Any:
         if dtype not in self._coefficients:
@@ -336,11 +346,9 @@ class QHM(_QHOptimizer):
     ) -> mx.array:
         lr, factor = self._coefficients_for(parameter.dtype)
         buf = state["momentum_buffer"]
-        seeds = self._seeds([buf], parameter)
-        seed = None if seeds is None else seeds[0]
         state["momentum_buffer"], parameter = _qhm_step(
             gradient, parameter, buf, lr, factor,
-            self.momentum, self.nu, self._coupled_weight_decay(), seed,
+            self.momentum, self.nu, self._coupled_weight_decay(), self._seeds([buf], parameter),
         )  # fmt: skip
         return parameter
 

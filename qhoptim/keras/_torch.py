@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from qhoptim import validation
-from qhoptim.torch import _fused, _kernels
+from qhoptim import rounding, validation
+from qhoptim.torch import _fused, _kernels, _state_dtype
 from qhoptim.torch._optimizer import unalias_grads
 
 
@@ -61,33 +61,36 @@ class TorchStep:
         launch every operation of the rule once per variable. The variables
         are grouped by their decoupled weight decay (the kernels group by
         device and dtype); the generic path remains for what the kernels do not
-        take (hyperparameters that are tensors, complex variables, slots in a
-        narrower ``state_dtype``, ``torch.compile``).
+        take (hyperparameters that are tensors, complex variables,
+        ``torch.compile``). Slots in a narrower ``state_dtype`` step as
+        ``qhoptim.torch``'s narrow state does (:func:`_narrow_step`).
         """
         generic = super()._backend_update_step  # type: ignore[misc]
         hparams = self._hyperparameters()
         wd = 0.0 if self.weight_decay is None else validation.concrete_float(self.weight_decay)
         numbers = all(isinstance(x, float) for x in hparams.values())
-        narrow = any(self._narrow(v) for v in trainable_variables)
-        if not numbers or wd is None or narrow or torch.compiler.is_compiling():
+        if not numbers or wd is None or torch.compiler.is_compiling():
             return generic(grads, trainable_variables, learning_rate)  # type: ignore[no-any-return]
         # Eager torch: the learning rate (Keras's variable, a schedule's
         # tensor, a callable's number) is concrete; read once per step.
         lr = float(self._read(learning_rate))
-        groups: dict[float, tuple[list[int], list[Any], list[Any]]] = {}
+        groups: dict[tuple[float, bool], tuple[list[int], list[Any], list[Any]]] = {}
         for grad, variable in zip(grads, trainable_variables, strict=True):
             param = variable.value  # Keras's ``value`` is not free: read once
             if param.is_complex():
                 return generic(grads, trainable_variables, learning_rate)  # type: ignore[no-any-return]
             decay = 0.0 if self._weight_decay_for(variable) is None else wd
-            indices, params, param_grads = groups.setdefault(decay, ([], [], []))
+            key = (decay, self._narrow(variable))
+            indices, params, param_grads = groups.setdefault(key, ([], [], []))
             indices.append(self._get_variable_index(variable))
             params.append(param)
             param_grads.append(grad if grad.dtype == param.dtype else grad.to(param.dtype))
-        step = _step_number(self._read(self.iterations)) if self._RULE == "qhadam" else 0.0
+        step = _step_number(self._read(self.iterations))
         with torch.no_grad():
-            for decay, (indices, params, param_grads) in groups.items():
-                slots = [[s.value for s in self._slots(i)] for i in indices]
+            for (decay, narrow), (indices, params, param_grads) in groups.items():
+                # One list per slot (buffer; or moments and, with amsgrad, maxima).
+                per_variable = [[s.value for s in self._slots(i)] for i in indices]
+                slots = [list(s) for s in zip(*per_variable, strict=True)]
                 kwargs = dict(
                     hparams,
                     lr=lr,
@@ -95,40 +98,73 @@ class TorchStep:
                     decoupled_weight_decay=True,  # Keras's weight decay
                     maximize=False,
                 )
-                fused = _fused_here(params)
-                if not fused:
-                    # A gradient sharing its variable's storage is read before
-                    # the multi-tensor passes write it (the fused kernel copies
-                    # such a gradient itself).
-                    param_grads = unalias_grads(params, param_grads)
-                if self._RULE == "qhm":
-                    (buffers,) = zip(*slots, strict=True)
-                    if fused:
-                        hp = _kernels.QHMHyperparameters(**kwargs)
-                        _fused.fused_qhm(
-                            params, param_grads, list(buffers), hp, grad_scale=None, found_inf=None
-                        )
-                    else:
-                        _kernels.foreach_qhm(params, param_grads, list(buffers), **kwargs)
+                if self._RULE == "qhadam":
+                    kwargs["amsgrad"] = bool(self.amsgrad)
+                if not narrow:
+                    _step_lists(self._RULE, params, param_grads, slots, step, kwargs)
                     continue
-                # [exp_avgs, exp_avg_sqs] and, with amsgrad, [max_exp_avg_sqs]
-                exp_avgs, exp_avg_sqs, *maxes = (list(s) for s in zip(*slots, strict=True))
-                max_exp_avg_sqs = maxes[0] if maxes else None
-                kwargs["amsgrad"] = bool(self.amsgrad)
-                steps = [step] * len(params)
-                if fused:
-                    hp_adam = _kernels.QHAdamHyperparameters(**kwargs)
-                    _fused.fused_qhadam_cpu_(
-                        params, param_grads, exp_avgs, exp_avg_sqs, steps, hp_adam, max_exp_avg_sqs
-                    )
-                else:
-                    _kernels.foreach_qhadam(
-                        params,
-                        param_grads,
-                        exp_avgs,
-                        exp_avg_sqs,
-                        steps,
-                        max_exp_avg_sqs=max_exp_avg_sqs,
-                        **kwargs,
-                    )
+                # The seeds of the step's rounding: its number and the variable's
+                # index, as on the per-variable path (qhoptim.keras._state_seed).
+                seeds = [
+                    [_state_dtype.rounding_seed(step, 4 * i + k) for k in range(3)] for i in indices
+                ]
+                stochastic = rounding.stochastic(self.state_dtype, self.stochastic_rounding)
+                in_kernel = self.state_dtype == "bfloat16" and stochastic
+                in_kernel = in_kernel and all(p.dtype == torch.float32 for p in params)
+                if in_kernel and _fused_here(params):
+                    _step_lists(self._RULE, params, param_grads, slots, step, kwargs, seeds)
+                    continue
+
+                def piece_step(
+                    at: list[int], ps: Any, gs: Any, work: Any, kwargs: dict[str, Any] = kwargs
+                ) -> None:
+                    _step_lists(self._RULE, ps, gs, work, step, kwargs)
+
+                _state_dtype.step_with_narrow_state(
+                    params, param_grads, slots, piece_step, seeds, self.stochastic_rounding
+                )
         return None
+
+
+def _step_lists(
+    rule: str,
+    params: list[Any],
+    grads: list[Any],
+    slots: list[list[Any]],
+    step: float,
+    kwargs: dict[str, Any],
+    state_seeds: list[list[int]] | None = None,
+) -> None:
+    """One step of ``rule`` over lists of variables and their ``slots`` (one list
+    per slot), fused on CPU where the kernel can be had, else multi-tensor;
+    ``step`` is the number of the step being taken. ``state_seeds``: bfloat16
+    slots, rounded stochastically in the fused kernel."""
+    fused = _fused_here(params)
+    if not fused:
+        # A gradient sharing its variable's storage is read before the
+        # multi-tensor passes write it (the fused kernel copies such a gradient
+        # itself).
+        grads = unalias_grads(params, grads)
+    if rule == "qhm":
+        (buffers,) = slots
+        if fused:
+            hp = _kernels.QHMHyperparameters(**kwargs)
+            _fused.fused_qhm(
+                params, grads, buffers, hp, grad_scale=None, found_inf=None, state_seeds=state_seeds
+            )
+        else:
+            _kernels.foreach_qhm(params, grads, buffers, **kwargs)
+        return
+    # [exp_avgs, exp_avg_sqs] and, with amsgrad, [max_exp_avg_sqs]
+    exp_avgs, exp_avg_sqs, *maxes = slots
+    max_exp_avg_sqs = maxes[0] if maxes else None
+    steps = [step] * len(params)
+    if fused:
+        hp_adam = _kernels.QHAdamHyperparameters(**kwargs)
+        _fused.fused_qhadam_cpu_(
+            params, grads, exp_avgs, exp_avg_sqs, steps, hp_adam, max_exp_avg_sqs, state_seeds
+        )
+    else:
+        _kernels.foreach_qhadam(
+            params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs=max_exp_avg_sqs, **kwargs
+        )

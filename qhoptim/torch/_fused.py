@@ -366,20 +366,24 @@ def fused_qhadam_cpu_(
     steps: list[float],
     hp: _kernels.QHAdamHyperparameters,
     max_exp_avg_sqs: list[Tensor] | None = None,
+    state_seeds: list[list[int]] | None = None,
 ) -> None:
     """One fused QHAdam step of CPU tensors whose step numbers are Python numbers.
 
     ``steps[i]`` is the number of the step being taken (1 on the first), as
     :func:`qhoptim.torch._kernels.foreach_qhadam` takes them; for
     ``qhoptim.keras``, which keeps one step count for every variable.
-    ``max_exp_avg_sqs``: the running maxima of ``hp.amsgrad``.
+    ``max_exp_avg_sqs``: the running maxima of ``hp.amsgrad``. ``state_seeds``:
+    bfloat16 moments, as in :func:`fused_qhadam`.
     """
     tensorlists = [params, grads, exp_avgs, exp_avg_sqs]
     if hp.amsgrad:
         tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
-    for _, (*lists, indices) in _groups_with_indices(tensorlists):
+    by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
+    for device, (*lists, indices) in _groups_with_indices(tensorlists, by=by):
+        seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
-            _cpu_qhadam_(ps, gs, ms, ss, vs, [steps[i] for i in indices], hp, None, _NO_SEEDS)
+            _cpu_qhadam_(ps, gs, ms, ss, vs, [steps[i] for i in indices], hp, None, seeds)
 
 
 def _cpu_qhadam_(

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from keras import ops
-from qh_keras_testing import apply_steps
+from qh_keras_testing import BACKEND, apply_steps
 
 import qhoptim.keras as qk
 from conformance.cases import load_cases
@@ -62,9 +62,18 @@ def test_the_slots_are_stored_in_bfloat16_at_half_the_bytes(name: str) -> None:
         assert 2 * narrow_values == 4 * sum(int(np.prod(s)) for s in SHAPES)
 
 
-def test_the_rounding_is_the_rule_every_backend_follows() -> None:
+# On torch, variables step in lists: through the fused CPU kernel, which rounds
+# bfloat16 slots itself, or (TORCH_FUSED off) on float32 working copies.
+PATHS = [True, False] if BACKEND == "torch" else [True]
+
+
+@pytest.mark.parametrize("torch_fused", PATHS, ids=lambda f: "fused" if f else "multi-tensor")
+def test_the_rounding_is_the_rule_every_backend_follows(
+    torch_fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # QHM with momentum 0 stores the gradient itself, rounded; the second
     # variable is state index 4 * 1.
+    monkeypatch.setattr(qk, "TORCH_FUSED", torch_fused)
     g = (np.random.default_rng(3).standard_normal((50, 7)) * 1e-3).astype(np.float32)
     variables = [keras.Variable(np.zeros(s, np.float32)) for s in [(3,), (50, 7), (2,)]]
     opt = qk.QHM(0.1, momentum=0.0, nu=0.7, state_dtype="bfloat16")
