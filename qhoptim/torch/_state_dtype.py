@@ -120,17 +120,31 @@ def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> No
     to the bottom half, then cut off, round up exactly that often. Values that
     bfloat16 holds exactly (zero and inf included) are unchanged, and NaN stays
     NaN. The noise is :func:`hash32` of ``seed`` and each element's position,
-    counted from ``start`` (``src`` a slice of a tensor that starts there); it
-    is made :data:`NOISE_VALUES` at a time, which bounds its temporaries.
+    counted from ``start`` (``src`` a slice of a tensor that starts there). On
+    CPU the fused extension rounds in one pass where it can be had (it is
+    compiled on first use); otherwise torch operations make the noise
+    :data:`NOISE_VALUES` at a time, which bounds their temporaries.
     """
     x = src.to(torch.float32).contiguous().view(-1)
     out = dst.view(-1)
+    kernel = _cpu_kernel() if x.device.type == "cpu" and out.is_contiguous() else None
+    if kernel is not None:  # one pass, the fused kernel's own rounding
+        kernel.stochastic_round_(out, x, seed, start)
+        return
     for a in range(0, x.numel(), NOISE_VALUES):
         b = min(a + NOISE_VALUES, x.numel())
         noise = hash32(seed, start + a, start + b, x.device).to(torch.int32)
         # rounding.round_bits, in int32 (two's complement wraps as uint32 would)
         bits = noise.add_(x[a:b].view(torch.int32)).bitwise_and_(-65536)  # src is not written
         out[a:b].copy_(bits.view(torch.float32))
+
+
+def _cpu_kernel() -> Any:
+    """The fused CPU extension where it can be had (it is compiled on first use,
+    as for ``fused=True``), else None: torch operations round instead."""
+    from qhoptim.torch import _fused
+
+    return _fused._cpu_extension() if _fused.cpu_kernel_available() else None
 
 
 def write_back_(

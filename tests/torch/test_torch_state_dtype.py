@@ -248,6 +248,27 @@ def test_the_fused_kernel_and_the_other_paths_draw_the_same_noise() -> None:
         assert torch.equal(want.view(torch.int16), torch.from_numpy(reference.view("int16")))
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["extension", "torch-ops"])
+def test_both_roundings_are_the_rule_every_backend_follows(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The working-copy paths round with the fused extension's kernel on CPU, or
+    # with torch operations where it cannot be had (and on other devices);
+    # both give qhoptim.rounding's bits, slices counted from their start.
+    if not kernel:
+        monkeypatch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
+    monkeypatch.setattr(_state_dtype, "NOISE_VALUES", 1000)
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(5)) * 1e-3
+    seed = _state_dtype.rounding_seed(7, 4 * 3 + 1)
+    whole = torch.empty_like(g, dtype=BF16)
+    _state_dtype.stochastic_round_(whole, g, seed)
+    reference = rounding.stochastic_round_reference(g.numpy(), 7, 4 * 3 + 1)
+    assert torch.equal(whole.view(torch.int16), torch.from_numpy(reference.view("int16")))
+    tail = torch.empty(3000, dtype=BF16)
+    _state_dtype.stochastic_round_(tail, g[2000:], seed, start=2000)
+    assert torch.equal(tail, whole[2000:])
+
+
 def test_a_tensor_larger_than_a_chunk_steps_in_slices_as_a_whole(monkeypatch: Any) -> None:
     # Working copies are made a slice at a time for tensors larger than a chunk;
     # the slices take the whole tensor's step (one count, the noise of the same

@@ -354,7 +354,32 @@ void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   }
 }
 
+// dst (bfloat16) <- src (float32) rounded stochastically with `seed`, the
+// elements counted from `start` (src a slice of a tensor that starts there):
+// the working-copy paths' write-back (qhoptim.torch._state_dtype.stochastic_round_).
+void stochastic_round_(at::Tensor dst, at::Tensor src, int64_t seed, int64_t start) {
+  TORCH_CHECK(dst.scalar_type() == at::kBFloat16 && src.scalar_type() == at::kFloat &&
+                  dst.is_contiguous() && src.is_contiguous() && dst.numel() == src.numel() &&
+                  dst.device().is_cpu() && src.device().is_cpu(),
+              "qhoptim stochastic_round_: a contiguous bfloat16 CPU tensor and a float32 one");
+  c10::BFloat16* d = dst.data_ptr<c10::BFloat16>();
+  const float* x = src.data_ptr<float>();
+  const auto s = static_cast<uint32_t>(seed);
+  at::parallel_for(0, src.numel(), kGrain, [=](int64_t begin, int64_t end) {
+    auto chunk = [&](auto fold_tag, auto) {
+      constexpr bool kFold = decltype(fold_tag)::value;
+      for (int64_t i = 0; i < end - begin; ++i) {
+        d[begin + i] = store<c10::BFloat16, true>(x[begin + i], s,
+                                                  position_of<kFold>(start + begin, i));
+      }
+    };
+    with_flags(needs_fold(start + begin, end - begin), false, chunk);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qhm_", &qhm_, "One fused QHM step over a list of CPU tensors, in place.");
   m.def("qhadam_", &qhadam_, "One fused QHAdam step over a list of CPU tensors, in place.");
+  m.def("stochastic_round_", &stochastic_round_,
+        "Round a float32 CPU tensor to bfloat16 stochastically (qhoptim.rounding).");
 }
