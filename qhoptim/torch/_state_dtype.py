@@ -200,12 +200,33 @@ def step_with_narrow_state(
     slice is that of the same elements of the whole tensor. ``positions``
     repeats a position for each slice of its tensor.
     """
-    for run in _pieces(params):
+    runs = _pieces(params)
+    # One scratch buffer per state list and dtype for every run's working
+    # copies: allocated once per step, not once per piece, so that the memory
+    # allocator has one block to reuse instead of many to keep (glibc kept up
+    # to ~100 MB of freed working copies of a 5e7-value parameter otherwise).
+    scratch: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+    def working_copy(k: int, stored: Tensor, like: Tensor, offset: int) -> Tensor:
+        key = (k, like.dtype, like.device)
+        if key not in scratch:
+            size = max(sum(b - a for _, a, b in run) for run in runs)
+            scratch[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+        work = scratch[key][offset : offset + like.numel()].view(like.shape)
+        return work.copy_(stored)
+
+    for run in runs:
         positions = [i for i, _, _ in run]
         ps = [_piece(params[i], a, b) for i, a, b in run]
         gs = [_piece(grads[i], a, b) for i, a, b in run]
         stored = [[_piece(lst[i], a, b) for i, a, b in run] for lst in state_lists]
-        work = [[s.to(p.dtype) for s, p in zip(lst, ps, strict=True)] for lst in stored]
+        offsets = [0]
+        for p in ps:
+            offsets.append(offsets[-1] + p.numel())
+        work = [
+            [working_copy(k, s, p, o) for s, p, o in zip(lst, ps, offsets, strict=False)]
+            for k, lst in enumerate(stored)
+        ]
         step(positions, ps, gs, work)
         for k, (lst, wl) in enumerate(zip(stored, work, strict=True)):
             for (i, a, _), s, w in zip(run, lst, wl, strict=True):
