@@ -1,4 +1,4 @@
-"""bfloat16 optimizer state (``state_dtype``) in qhoptim.torch, against float32 state.
+"""bfloat16 and 8-bit optimizer state (``state_dtype``) in qhoptim.torch, against float32 state.
 
     python -m benchmarks.state_dtype [--seeds 5] [--epochs 30] [--quick]
 
@@ -36,6 +36,8 @@ SETTINGS = {
     "QHAdam": (qht.QHAdam, {"lr": 1e-3, "betas": (0.995, 0.999), "nus": (0.7, 1.0)}),
 }
 STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+#: The narrow states compared with float32 state: (label, dtype, its source text).
+NARROW = (("bfloat16", torch.bfloat16, "torch.bfloat16"), ("8-bit", torch.uint8, "torch.uint8"))
 
 
 def _make(name: str, params: Any, state_dtype: torch.dtype | None, **flags: Any) -> Any:
@@ -89,7 +91,7 @@ print(status("VmHWM:") - before)
 def step_times(name: str, flags: dict[str, Any], steps: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     runs = {}
-    for label, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
+    for label, dtype in (("float32", None), *((label, dtype) for label, dtype, _ in NARROW)):
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in RESNET18]
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * 1e-3
@@ -159,10 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in SETTINGS:
         foreach = step_times(name, {"foreach": True}, args.steps)
         fused = step_times(name, {"fused": True}, args.steps)
-        for label, dtype, arg in (
-            ("float32", None, "None"),
-            ("bfloat16", torch.bfloat16, "torch.bfloat16"),
-        ):
+        for label, dtype, arg in (("float32", None, "None"), *NARROW):
             errors = digits_errors(name, dtype, args.seeds, args.epochs)
             row = {
                 "bytes": state_bytes_per_value(name, dtype),
@@ -173,19 +172,21 @@ def main(argv: list[str] | None = None) -> int:
             }
             results[f"{name}/{label}"] = row
             print(
-                f"| {name} | {label} | {row['bytes']:.0f} | {row['peak_mb']:.0f} MB "
+                f"| {name} | {label} | {row['bytes']:.3g} | {row['peak_mb']:.0f} MB "
                 f"| {row['foreach_ms']:.1f} ms | {row['fused_ms']:.1f} ms "
                 f"| {100 * np.mean(errors):.2f}% ± {100 * np.std(errors):.2f} |"
             )
     print()
     for name in SETTINGS:
-        a, b = results[f"{name}/float32"], results[f"{name}/bfloat16"]
-        diff = 100 * (np.mean(b["errors"]) - np.mean(a["errors"]))
-        print(
-            f"{name}: bfloat16 state - float32 state, digits error {diff:+.2f} points; "
-            f"step time foreach {b['foreach_ms'] / a['foreach_ms']:.2f}x, "
-            f"fused {b['fused_ms'] / a['fused_ms']:.2f}x"
-        )
+        a = results[f"{name}/float32"]
+        for label, _, _ in NARROW:
+            b = results[f"{name}/{label}"]
+            diff = 100 * (np.mean(b["errors"]) - np.mean(a["errors"]))
+            print(
+                f"{name}: {label} state - float32 state, digits error {diff:+.2f} points; "
+                f"step time foreach {b['foreach_ms'] / a['foreach_ms']:.2f}x, "
+                f"fused {b['fused_ms'] / a['fused_ms']:.2f}x"
+            )
     return 0
 
 

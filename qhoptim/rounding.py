@@ -49,6 +49,7 @@ __all__ = [
     "check_real",
     "check_state_dtype",
     "check_stochastic_rounding",
+    "eight_bit_levels",
     "mix32",
     "noise16",
     "round_bits",
@@ -128,6 +129,34 @@ def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
     probability equal to the dropped half's share of a unit in the last place.
     """
     return bits.wrap(float32_bits + noise) & bits.const(BFLOAT16_MASK)
+
+
+#: Values per block of an 8-bit state (one float32 scale per block).
+EIGHT_BIT_BLOCK = 256
+
+
+def eight_bit_levels(signed: bool) -> list[float]:
+    """The magnitudes an 8-bit blockwise state's codes stand for, ascending,
+    in units of its block's largest magnitude (the block's scale).
+
+    A state is stored as one byte per value and one float32 scale per
+    :data:`EIGHT_BIT_BLOCK` values: each value is its block's scale times one
+    of these levels (times its sign, for a ``signed`` state). The levels are 0
+    and a geometric ladder up to 1, 9% apart: ``2**((k - 127) / 8)``,
+    ``k = 1..127``, for a signed state (the first moment, QHM's buffer: a sign
+    bit and 7 bits of magnitude, down to about ``2**-16`` of the scale), and
+    ``2**((k - 255) / 8)``, ``k = 1..255``, for an unsigned one (the second
+    moment, down to ``2**-32``: it holds squares, so it needs twice the range
+    in octaves to cover the gradients the first moment does). A value between
+    two levels is rounded to one of them stochastically, with the probability
+    of its distance to the other (unbiased), by the noise of :func:`noise16`;
+    except that a positive unsigned value below the lowest level is stored as
+    that level, never as 0, so that a second moment the denominator divides by
+    cannot vanish under a first moment that does not.
+    """
+    if signed:
+        return [0.0] + [2.0 ** ((k - 127) / 8) for k in range(1, 128)]
+    return [0.0] + [2.0 ** ((k - 255) / 8) for k in range(1, 256)]
 
 
 def stochastic(state_dtype: str | None, stochastic_rounding: bool | None) -> bool:

@@ -81,11 +81,13 @@ def group_by_device_and_dtype(
 
 state_dtype_doc = r"""state_dtype (torch.dtype, optional): store the state in this
             dtype, e.g. ``torch.bfloat16`` for half a float32 model's state
-            memory; the arithmetic stays in the parameters' dtype (default:
-            None, the parameters' own; see docs/torch.md)
-        stochastic_rounding (bool, optional): write a bfloat16 state back with
-            unbiased, counter-based stochastic rounding (default: None, i.e.
-            True for bfloat16; False rounds to nearest)"""
+            memory, or ``torch.uint8`` for 8-bit blockwise state (a byte per
+            value and a float32 scale per 256 values); the arithmetic stays in
+            the parameters' dtype (default: None, the parameters' own; see
+            docs/torch.md)
+        stochastic_rounding (bool, optional): write a bfloat16 or 8-bit state
+            back with unbiased, counter-based stochastic rounding (default:
+            None, i.e. True for bfloat16 and 8-bit; False rounds to nearest)"""
 
 
 def _copy(count: Any) -> Any:
@@ -361,8 +363,18 @@ def cast_complex_state(param: Tensor, state: dict[str, Any]) -> None:
             state[key] = value.to(param.dtype if value.is_complex() else param.real.dtype)
 
 
+def _eight_bit(dtype: Any) -> bool:
+    return bool(dtype == torch.uint8)
+
+
 def _check_param_state(
-    what: str, key: Any, param: Tensor, p_state: Any, allowed: tuple[frozenset[str], ...]
+    what: str,
+    key: Any,
+    param: Tensor,
+    p_state: Any,
+    allowed: tuple[frozenset[str], ...],
+    *,
+    packed: bool = False,
 ) -> None:
     """One parameter's saved state: the optimizer's keys, tensors that fit the parameter.
 
@@ -371,7 +383,8 @@ def _check_param_state(
     similar wrappers store their own buffers in the wrapped optimizer's state.
     They are accepted only beside a complete layout of the optimizer's own keys,
     so that another optimizer's state (SGD's ``momentum_buffer`` in QHAdam) is
-    still refused.
+    still refused. ``packed``: the state is 8-bit, one flat tensor of
+    :func:`qhoptim.torch._state_dtype.packed_numel` values per state.
     """
     if not isinstance(p_state, dict):
         raise TypeError(
@@ -410,6 +423,17 @@ def _check_param_state(
                 f"{what}: {name} of parameter {key!r} must be a tensor; "
                 f"received {type(value).__name__}"
             )
+        if packed:
+            from qhoptim.torch._state_dtype import packed_numel
+
+            packed_shape = (packed_numel(param.numel()),)
+            if tuple(value.shape) != packed_shape or value.is_complex():
+                raise ValueError(
+                    f"{what}: {name} of parameter {key!r} has shape {tuple(value.shape)}; "
+                    f"the 8-bit state of a parameter of {param.numel()} values has "
+                    f"{packed_shape}"
+                )
+            continue
         if value.shape != param.shape:
             raise ValueError(
                 f"{what}: {name} of parameter {key!r} has shape {tuple(value.shape)}, "
@@ -501,6 +525,9 @@ class QHOptimizer(Optimizer):
     # empty set: not stepped yet).
     _GROUP_KEYS: tuple[str, ...] = ()
     _STATE_KEYS: tuple[frozenset[str], ...] = ()
+    # Whether each state list the step takes holds negative values (an 8-bit
+    # state encodes a sign only where it does).
+    _SIGNED: tuple[bool, ...] = ()
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Validate a param group's hyperparameters (``validation``'s checks)."""
@@ -587,7 +614,7 @@ class QHOptimizer(Optimizer):
                 reached.update(zip(at, copies, strict=True))
 
             _state_dtype.step_with_narrow_state(
-                ps, gs, lists, piece_step, seeds, group.get("stochastic_rounding")
+                ps, gs, lists, piece_step, seeds, group.get("stochastic_rounding"), self._SIGNED
             )
             for i, c in enumerate(counts):
                 if count_steps:
@@ -673,6 +700,7 @@ class QHOptimizer(Optimizer):
                 f"this optimizer {len(self.param_groups)}"
             )
         params: dict[Any, Tensor] = {}
+        packed: set[Any] = set()  # the ids of parameters whose state is 8-bit
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
@@ -687,13 +715,17 @@ class QHOptimizer(Optimizer):
                 )
             self._check_group({**self.defaults, **saved})
             params.update(zip(saved["params"], group["params"], strict=True))
+            if _eight_bit(saved.get("state_dtype")):
+                packed.update(saved["params"])
         for key, p_state in state_dict["state"].items():
             if key not in params:
                 raise ValueError(
                     f"{what}: the state dict has state for parameter {key!r}, "
                     "which none of its param groups lists"
                 )
-            _check_param_state(what, key, params[key], p_state, self._STATE_KEYS)
+            _check_param_state(
+                what, key, params[key], p_state, self._STATE_KEYS, packed=key in packed
+            )
 
     def _gather(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]

@@ -99,6 +99,7 @@ class QHAdam(QHOptimizer):
         frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),  # amsgrad
         frozenset({"beta1_weight", "beta2_weight", "exp_avg", "exp_avg_sq"}),  # qhoptim 1.1.0
     )
+    _SIGNED = (True, False, False)  # exp_avg; exp_avg_sq and its maximum are >= 0
 
     def _check_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = validation.check_pair(group["betas"], "betas")
@@ -174,13 +175,9 @@ class QHAdam(QHOptimizer):
                 # capturable or fused.
                 state["step"] = torch.zeros((), **self._step_dtype_and_device(group, p))
                 narrow = group["state_dtype"] if _state_dtype.narrow(group, p) else None
-                state["exp_avg"] = torch.zeros_like(
-                    p, dtype=narrow, memory_format=torch.preserve_format
-                )
+                state["exp_avg"] = _state_dtype.zeros_state(p, narrow)
                 # |g|^2 is real: a complex parameter has a real second moment.
-                state["exp_avg_sq"] = torch.zeros_like(
-                    p, dtype=narrow or p.real.dtype, memory_format=torch.preserve_format
-                )
+                state["exp_avg_sq"] = _state_dtype.zeros_state(p, narrow or p.real.dtype)
             if group["amsgrad"] and "max_exp_avg_sq" not in state:
                 # New state, or amsgrad switched on in a group stepped without it:
                 # the running maximum starts at zero, max(0, s) = s, as torch's.

@@ -96,6 +96,7 @@ class QHM(QHOptimizer):
         frozenset({"momentum_buffer"}),
         frozenset({"momentum_buffer", "step"}),
     )
+    _SIGNED = (True,)
     _LEGACY_DECAY_KEY = "weight_decay_type"
 
     @staticmethod
@@ -136,11 +137,8 @@ class QHM(QHOptimizer):
         for p, state in zip(params, states, strict=True):
             narrow = _state_dtype.narrow(group, p)
             if len(state) == 0:
-                state["momentum_buffer"] = torch.zeros_like(
-                    p,
-                    dtype=group["state_dtype"] if narrow else None,
-                    memory_format=torch.preserve_format,
-                )
+                dtype = group["state_dtype"] if narrow else None
+                state["momentum_buffer"] = _state_dtype.zeros_state(p, dtype)
             if narrow and "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float64)
             momentum_buffers.append(state["momentum_buffer"])

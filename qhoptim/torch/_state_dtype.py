@@ -17,10 +17,15 @@ ones on average. Its randomness is counter-based, the rule of
 parameter's position in the optimizer and each element's position, never
 torch's global generator, so a run resumed from a checkpoint rounds exactly as
 the uninterrupted run. Other narrow dtypes (float16) round to nearest.
+
+``state_dtype=torch.uint8`` is an 8-bit blockwise state (:func:`eight_bit`):
+a byte per value and a float32 scale per block, decoded into the working
+copies and encoded back with the same noise.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,8 +45,10 @@ __all__ = [
     "stochastic_round_",
 ]
 
-#: The dtypes ``state_dtype`` may name (``None``: the parameter's own).
-STATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: The dtypes ``state_dtype`` may name (``None``: the parameter's own);
+#: ``torch.uint8`` is the 8-bit blockwise state (:func:`eight_bit`).
+STATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8)
+BLOCK = rounding.EIGHT_BIT_BLOCK
 
 # Working copies are made for about this many values at a time, and the
 # rounding noise for this many.
@@ -147,6 +154,93 @@ def _cpu_kernel() -> Any:
     return _fused._cpu_extension() if _fused.cpu_kernel_available() else None
 
 
+# ---------------------------------------------------------------- 8-bit state
+def eight_bit(dtype: torch.dtype | None) -> bool:
+    """Whether ``state_dtype`` is the 8-bit blockwise state.
+
+    A tensor's state is then one flat uint8 tensor of :func:`packed_numel`
+    bytes: first the float32 scale (largest magnitude) of each block of
+    :data:`BLOCK` values, as bytes, then one code per value
+    (:func:`qhoptim.rounding.eight_bit_levels`). One tensor per state keeps
+    torch's ``state_dict`` and its load (which casts every state tensor to the
+    parameter's dtype and back: bytes survive that exactly) as they are.
+    QHAdam's two moments take 2 + 8 / 256 bytes per parameter.
+    """
+    return dtype == torch.uint8
+
+
+def packed_numel(n: int) -> int:
+    """Bytes of the 8-bit state of ``n`` values: a float32 scale per block, a code per value."""
+    return 4 * -(-n // BLOCK) + n
+
+
+def zeros_state(param: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """A fresh state of ``param`` in ``dtype`` (None: the parameter's): zeros of
+    its shape and layout, or the zero 8-bit state (all bytes 0: scales 0.0,
+    codes of 0)."""
+    if eight_bit(dtype):
+        return torch.zeros(packed_numel(param.numel()), dtype=torch.uint8, device=param.device)
+    return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+
+
+class _Packed:
+    """The values ``start .. stop-1`` of an 8-bit state of ``n`` values: their
+    codes and their blocks' scales (views into the packed tensor)."""
+
+    def __init__(self, packed: Tensor, n: int, start: int, stop: int) -> None:
+        blocks = -(-n // BLOCK)
+        self.codes = packed[4 * blocks + start : 4 * blocks + stop]
+        self.scales = packed[: 4 * blocks].view(torch.float32)[start // BLOCK : -(-stop // BLOCK)]
+
+
+@functools.cache
+def _levels(signed: bool, device: torch.device) -> Tensor:
+    return torch.tensor(rounding.eight_bit_levels(signed), dtype=torch.float32, device=device)
+
+
+def dequantize_(out: Tensor, stored: _Packed, signed: bool) -> None:
+    """``out`` (flat, float) <- the values ``stored`` stands for."""
+    levels = _levels(signed, out.device)
+    codes = stored.codes.to(torch.int64)
+    magnitude = levels[codes & 127 if signed else codes]
+    if signed:
+        magnitude = torch.where(codes >= 128, -magnitude, magnitude)
+    n = out.numel()
+    scale = stored.scales.repeat_interleave(BLOCK)[:n]
+    out.view(-1).copy_(magnitude.mul_(scale))
+
+
+def quantize_(
+    stored: _Packed, src: Tensor, signed: bool, seed: int, stochastic: bool, start: int
+) -> None:
+    """``stored`` <- ``src`` (flat) in 8 bits: each block's scale is its largest
+    magnitude, each value one of the two levels around it, chosen with
+    :func:`hash32`'s noise (``stochastic``) or to nearest. A block holding a
+    NaN keeps it in its scale (it reads back as NaN)."""
+    x = src.to(torch.float32).reshape(-1)
+    n = x.numel()
+    blocks = -(-n // BLOCK)
+    padded = torch.nn.functional.pad(x.abs(), (0, blocks * BLOCK - n))
+    scale = padded.view(blocks, BLOCK).amax(dim=1)
+    stored.scales.copy_(scale)
+    ratio = x.abs() / scale.repeat_interleave(BLOCK)[:n]
+    ratio = torch.nan_to_num(ratio, nan=0.0)  # 0/0 in an all-zero block
+    levels = _levels(signed, x.device)
+    low = (torch.bucketize(ratio, levels, right=True) - 1).clamp_(0, levels.numel() - 2)
+    below, above = levels[low], levels[low + 1]
+    up = (ratio - below) / (above - below)
+    if stochastic:
+        threshold = hash32(seed, start, start + n, x.device).to(torch.float32) / 65536.0
+    else:
+        threshold = torch.full_like(up, 0.5)
+    code = low + (up > threshold).to(torch.int64)
+    if signed:
+        code = torch.where(x < 0, code + 128, code)
+    else:  # a positive second moment is never stored as 0 (eight_bit_levels)
+        code = torch.where((code == 0) & (ratio > 0), 1, code)
+    stored.codes.copy_(code)
+
+
 def write_back_(
     dst: Tensor, src: Tensor, seed: int, stochastic: bool | None, start: int = 0
 ) -> None:
@@ -188,6 +282,7 @@ def step_with_narrow_state(
     step: Callable[[list[int], list[Tensor], list[Tensor], list[list[Tensor]]], None],
     seeds: list[list[int]],
     stochastic: bool | None,
+    signed: Sequence[bool] = (),
 ) -> None:
     """Run ``step(positions, params, grads, working_lists)`` piece by piece on
     working copies of ``state_lists`` (each aligned with ``params``) in the
@@ -198,7 +293,9 @@ def step_with_narrow_state(
     :data:`CHUNK_VALUES` (the update is element-wise), so the working copies
     never hold much more than that many values per state list; the noise of a
     slice is that of the same elements of the whole tensor. ``positions``
-    repeats a position for each slice of its tensor.
+    repeats a position for each slice of its tensor. An 8-bit state
+    (:func:`eight_bit`) is decoded into its working copy and encoded back;
+    ``signed[k]`` says whether state ``k`` takes negative values.
     """
     runs = _pieces(params)
     # One scratch buffer per state list and dtype for every run's working
@@ -207,19 +304,27 @@ def step_with_narrow_state(
     # to ~100 MB of freed working copies of a 5e7-value parameter otherwise).
     scratch: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
-    def working_copy(k: int, stored: Tensor, like: Tensor, offset: int) -> Tensor:
+    def working_copy(k: int, stored: Tensor | _Packed, like: Tensor, offset: int) -> Tensor:
         key = (k, like.dtype, like.device)
         if key not in scratch:
             size = max(sum(b - a for _, a, b in run) for run in runs)
             scratch[key] = torch.empty(size, dtype=like.dtype, device=like.device)
         work = scratch[key][offset : offset + like.numel()].view(like.shape)
+        if isinstance(stored, _Packed):
+            dequantize_(work, stored, signed[k])
+            return work
         return work.copy_(stored)
+
+    def stored_piece(lst: list[Tensor], i: int, a: int, b: int) -> Tensor | _Packed:
+        if lst[i].dtype == torch.uint8:
+            return _Packed(lst[i], params[i].numel(), a, b)
+        return _piece(lst[i], a, b)
 
     for run in runs:
         positions = [i for i, _, _ in run]
         ps = [_piece(params[i], a, b) for i, a, b in run]
         gs = [_piece(grads[i], a, b) for i, a, b in run]
-        stored = [[_piece(lst[i], a, b) for i, a, b in run] for lst in state_lists]
+        stored = [[stored_piece(lst, i, a, b) for i, a, b in run] for lst in state_lists]
         offsets = [0]
         for p in ps:
             offsets.append(offsets[-1] + p.numel())
@@ -230,4 +335,7 @@ def step_with_narrow_state(
         step(positions, ps, gs, work)
         for k, (lst, wl) in enumerate(zip(stored, work, strict=True)):
             for (i, a, _), s, w in zip(run, lst, wl, strict=True):
-                write_back_(s, w, seeds[i][k], stochastic, a)
+                if isinstance(s, _Packed):
+                    quantize_(s, w, signed[k], seeds[i][k], stochastic is not False, a)
+                else:
+                    write_back_(s, w, seeds[i][k], stochastic, a)

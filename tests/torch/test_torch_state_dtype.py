@@ -130,8 +130,9 @@ def _conformance_cases() -> list[Any]:
     ]
 
 
-@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
-def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
+def _deviation(case: Any, state_dtype: torch.dtype) -> float:
+    """How far 100 steps of ``case`` with ``state_dtype`` stray from the same
+    steps with float32 state: the largest relative distance between the two."""
     problem = get_problem(case.problem_name)
     hparams = {k: tuple(v) if isinstance(v, list) else v for k, v in case.hparams.items()}
 
@@ -147,9 +148,13 @@ def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: 
             out.append(problem.join([p.detach().numpy() for p in params]))
         return np.array(out)
 
-    wide, narrow = trajectory(None), trajectory(BF16)
-    relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
-    assert relative.max() <= AMPLIFIED.get(case.name, 1e-2)
+    wide, narrow = trajectory(None), trajectory(state_dtype)
+    return float((np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)).max())
+
+
+@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
+    assert _deviation(case, BF16) <= AMPLIFIED.get(case.name, 1e-2)
 
 
 def test_stochastic_rounding_is_unbiased_and_nearest_rounding_is_not() -> None:
@@ -285,3 +290,97 @@ def test_a_tensor_larger_than_a_chunk_steps_in_slices_as_a_whole(monkeypatch: An
         assert float(sliced.state[q]["step"]) == 4
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(whole.state[p][k], sliced.state[q][k])
+
+
+# --------------------------------------------------------------- 8-bit state
+U8 = torch.uint8
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_the_8_bit_state_takes_a_byte_and_a_share_of_a_scale_per_value(
+    cls: type, kwargs: dict[str, Any], path: str
+) -> None:
+    params = _params()
+    opt = cls(params, **kwargs, **PATHS[path], state_dtype=U8)
+    _run(opt, params, range(3))
+    numel = sum(p.numel() for p in params)
+    state_bytes = sum(s[k].numel() for s in opt.state.values() for k in STATE_KEYS if k in s)
+    for p in params:
+        for k in STATE_KEYS:
+            if k in opt.state[p]:
+                assert opt.state[p][k].dtype == U8
+                assert opt.state[p][k].numel() == _state_dtype.packed_numel(p.numel())
+    if cls is QHAdam:  # two moments: at most 2.1 bytes per parameter
+        assert state_bytes / numel <= 2.1
+        assert state_bytes == 2 * sum(p.numel() + 4 * -(-p.numel() // 256) for p in params)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_an_8_bit_state_resumes_bit_for_bit(cls: type, kwargs: dict[str, Any]) -> None:
+    params = _params()
+    opt = cls(params, **kwargs, state_dtype=U8)
+    _run(opt, params, range(5))
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = cls(copies, **kwargs, state_dtype=U8)
+    # torch's load casts every state tensor to the parameter's dtype; the
+    # bytes (codes and the scales' bytes) survive that and are cast back.
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, q in zip(params, copies, strict=True):
+        for k in STATE_KEYS:
+            if k in opt.state[p]:
+                assert resumed.state[q][k].dtype == U8
+                assert torch.equal(resumed.state[q][k], opt.state[p][k])
+    _run(opt, params, range(5, 10))
+    _run(resumed, copies, range(5, 10))
+    for p, q in zip(params, copies, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_8_bit_rounding_is_unbiased_and_keeps_a_positive_second_moment() -> None:
+    # 2**16 copies of a block whose largest value is 1: each value is stored as
+    # one of its two neighbouring levels, on average itself (to 6 standard
+    # errors of a step of at most 9% of the value); a tiny positive value of an
+    # unsigned state is stored as the lowest level, never 0.
+    n = 256 * 256
+    value = torch.full((n,), 0.3)
+    value[::256] = 1.0  # each block's scale
+    for signed in (True, False):
+        packed = torch.zeros(_state_dtype.packed_numel(n), dtype=U8)
+        stored = _state_dtype._Packed(packed, n, 0, n)
+        _state_dtype.quantize_(stored, value, signed, seed=11, stochastic=True, start=0)
+        out = torch.empty(n)
+        _state_dtype.dequantize_(out, _state_dtype._Packed(packed, n, 0, n), signed)
+        rest = out.view(256, 256)[:, 1:]
+        assert len(torch.unique(rest)) == 2
+        assert abs(float(rest.mean()) - 0.3) < 6 * 0.09 * 0.3 / 255
+    tiny = torch.tensor([1.0] + [1e-30] * 255)
+    packed = torch.zeros(_state_dtype.packed_numel(256), dtype=U8)
+    _state_dtype.quantize_(_state_dtype._Packed(packed, 256, 0, 256), tiny, False, 3, True, 0)
+    out = torch.empty(256)
+    _state_dtype.dequantize_(out, _state_dtype._Packed(packed, 256, 0, 256), False)
+    assert bool((out[1:] > 0).all())
+
+
+# Measured on these problems: 8-bit state strays further from float32 state
+# than bfloat16 (each step adds unbiased rounding noise of up to 9% of a value,
+# which an average with beta near 1 keeps for about 1 / (1 - beta) steps).
+# Measured worst: 13% (QHAdamW, betas near one), 11% (QHM, nu = 1.3, which
+# weights the stored buffer by 1.3); the bound leaves a margin of about 2.
+EIGHT_BIT_TOLERANCE = 0.25
+
+
+@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+def test_8_bit_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
+    assert _deviation(case, U8) <= EIGHT_BIT_TOLERANCE
+
+
+def test_an_8_bit_state_of_the_wrong_size_is_refused_on_load() -> None:
+    params = _params()
+    opt = QHAdam(params, lr=1e-2, state_dtype=U8)
+    _run(opt, params, range(1))
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["exp_avg"] = saved["state"][0]["exp_avg"][:-1]
+    fresh = QHAdam(_params(), lr=1e-2, state_dtype=U8)
+    with pytest.raises(ValueError, match=r"the 8-bit state of a parameter of 2112 values"):
+        fresh.load_state_dict(saved)
