@@ -18,7 +18,7 @@ from keras import ops
 from qh_keras_testing import BACKEND, apply_steps
 
 import qhoptim.keras as qk
-from conformance.cases import load_cases
+from conformance.cases import narrow_state_cases, narrow_state_tolerance
 from conformance.problems import get_problem
 from qhoptim import rounding
 
@@ -164,16 +164,6 @@ def test_slots_wider_than_their_variable_are_refused() -> None:
         opt.build([keras.Variable(np.zeros(3), dtype="float16")])
 
 
-# |nu| > 1 weights the stored buffer by more than 1 (as in torch's test).
-AMPLIFIED = {"qhm-nu-above-one-quadratic": 2e-2}
-
-
-def _conformance_cases() -> list[Any]:
-    names = {"qhm", "qhadam", "qhadamw"}
-    cases = load_cases()
-    return [c for c in cases if c.optimizer in names and c.schedule.get("kind") == "constant"]
-
-
 def _optimizer(case: Any, **options: Any) -> keras.optimizers.Optimizer:
     hp = case.hparams
     wd = hp["weight_decay"] if case.weight_decay_mode == "decoupled" else None
@@ -194,7 +184,7 @@ def _optimizer(case: Any, **options: Any) -> keras.optimizers.Optimizer:
     )
 
 
-@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
 def test_bfloat16_slots_follow_float32_slots_on_the_conformance_problems(case: Any) -> None:
     problem = get_problem(case.problem_name)
     coupled = case.hparams["weight_decay"] if case.weight_decay_mode == "coupled" else 0.0
@@ -215,4 +205,4 @@ def test_bfloat16_slots_follow_float32_slots_on_the_conformance_problems(case: A
     apply_steps(narrow, x0, grads_of("narrow"), 100, dtype="float32")
     wide_x, narrow_x = np.array(trajectories["wide"]), np.array(trajectories["narrow"])
     relative = np.linalg.norm(narrow_x - wide_x, axis=1) / np.linalg.norm(wide_x, axis=1)
-    assert relative.max() <= AMPLIFIED.get(case.name, 1e-2)
+    assert relative.max() <= narrow_state_tolerance(case)

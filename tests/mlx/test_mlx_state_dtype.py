@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 import qhoptim.mlx as qhmlx
 from conformance.adapters.mlx import make_optimizer
-from conformance.cases import load_cases
+from conformance.cases import narrow_state_cases, narrow_state_tolerance
 from conformance.problems import get_problem
 from qhoptim import rounding
 
@@ -139,17 +139,7 @@ def test_a_state_wider_than_the_parameters_is_refused() -> None:
         opt.init({"x": mx.zeros(3, dtype=mx.float16)})
 
 
-# |nu| > 1 weights the stored buffer by more than 1 (as in torch's test).
-AMPLIFIED = {"qhm-nu-above-one-quadratic": 2e-2}
-
-
-def _conformance_cases() -> list[Any]:
-    names = {"qhm", "qhadam", "qhadamw"}
-    cases = load_cases()
-    return [c for c in cases if c.optimizer in names and c.schedule.get("kind") == "constant"]
-
-
-@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
 def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
     problem = get_problem(case.problem_name)
 
@@ -170,4 +160,4 @@ def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: 
 
     wide, narrow = trajectory(), trajectory(state_dtype=BF16)
     relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
-    assert relative.max() <= AMPLIFIED.get(case.name, 1e-2)
+    assert relative.max() <= narrow_state_tolerance(case)

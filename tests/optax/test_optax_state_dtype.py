@@ -17,7 +17,7 @@ import pytest
 
 import qhoptim.optax as qho
 from conformance.adapters.optax import make_transformation
-from conformance.cases import load_cases
+from conformance.cases import narrow_state_cases, narrow_state_tolerance
 from conformance.problems import get_problem
 from qhoptim import rounding
 
@@ -153,18 +153,7 @@ def test_the_plain_state_is_refused_where_the_counted_one_is_needed() -> None:
         qho.scale_by_qhm(state_dtype=BF16).update(_grads(params, 0), plain_state)
 
 
-# |nu| > 1 weights the stored buffer by more than 1 (as in torch's test).
-AMPLIFIED = {"qhm-nu-above-one-quadratic": 2e-2}
-
-
-def _conformance_cases() -> list[Any]:
-    names = {"qhm", "qhadam", "qhadamw"}
-    return [
-        c for c in load_cases() if c.optimizer in names and c.schedule.get("kind") == "constant"
-    ]
-
-
-@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
 def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
     problem = get_problem(case.problem_name)
 
@@ -183,4 +172,4 @@ def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: 
 
     wide, narrow = trajectory(), trajectory(state_dtype=BF16)
     relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
-    assert relative.max() <= AMPLIFIED.get(case.name, 1e-2)
+    assert relative.max() <= narrow_state_tolerance(case)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conformance.cases import load_cases
+from conformance.cases import narrow_state_cases, narrow_state_tolerance
 from conformance.problems import get_problem
 from qhoptim import rounding
 from qhoptim.torch import QHM, QHAdam, QHAdamW, _state_dtype
@@ -119,17 +119,6 @@ def test_every_path_takes_the_same_steps(cls: type, kwargs: dict[str, Any]) -> N
         torch.testing.assert_close(other, runs[0], rtol=1e-4, atol=1e-5)
 
 
-# Cases where |nu| > 1 weights the stored buffer by more than 1, so its rounding
-# grows faster: 1.2% after 100 steps at nu = 1.3 (measured).
-AMPLIFIED = {"qhm-nu-above-one-quadratic": 2e-2}
-
-
-def _conformance_cases() -> list[Any]:
-    return [
-        c for c in load_cases() if c.optimizer in CLASSES and c.schedule.get("kind") == "constant"
-    ]
-
-
 def _deviation(case: Any, state_dtype: torch.dtype) -> float:
     """How far 100 steps of ``case`` with ``state_dtype`` stray from the same
     steps with float32 state: the largest relative distance between the two."""
@@ -152,9 +141,9 @@ def _deviation(case: Any, state_dtype: torch.dtype) -> float:
     return float((np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)).max())
 
 
-@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
 def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
-    assert _deviation(case, BF16) <= AMPLIFIED.get(case.name, 1e-2)
+    assert _deviation(case, BF16) <= narrow_state_tolerance(case)
 
 
 def test_stochastic_rounding_is_unbiased_and_nearest_rounding_is_not() -> None:
@@ -370,7 +359,7 @@ def test_8_bit_rounding_is_unbiased_and_keeps_a_positive_second_moment() -> None
 EIGHT_BIT_TOLERANCE = 0.25
 
 
-@pytest.mark.parametrize("case", _conformance_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
 def test_8_bit_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
     assert _deviation(case, U8) <= EIGHT_BIT_TOLERANCE
 
