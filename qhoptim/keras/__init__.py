@@ -281,6 +281,16 @@ def _state_seed(iterations: Any, first: Any, k: int) -> Any:
     return rounding.rounding_seed(step, first + _BITS.const(k), _BITS)
 
 
+def _bitcast(x: Any, dtype: str) -> Any:
+    """``x``'s bits as ``dtype`` (of the same width); ``keras.ops.view`` is newer
+    than Keras 3.10."""
+    if _BACKEND == "jax":
+        import jax
+
+        return jax.lax.bitcast_convert_type(x, dtype)
+    return ops.view(x, dtype)
+
+
 def _store(value: Any, dtype: str, seed: Any) -> Any:
     """A step's new state in the slot's ``dtype``: with a ``seed``, rounded to
     bfloat16 stochastically (:mod:`qhoptim.rounding`), else cast (to nearest)."""
@@ -304,7 +314,7 @@ def _store(value: Any, dtype: str, seed: Any) -> Any:
         bitcast = tf.bitcast
     else:
         positions = ops.reshape(ops.arange(ops.size(x), dtype="uint32"), ops.shape(x))
-        bitcast = ops.view
+        bitcast = _bitcast
     noise = rounding.noise16(positions, seed, _BITS)
     bits = rounding.round_bits(bitcast(x, "uint32"), noise, _BITS)
     return ops.cast(bitcast(bits, "float32"), "bfloat16")
