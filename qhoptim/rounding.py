@@ -133,6 +133,8 @@ def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
 
 #: Values per block of an 8-bit state (one float32 scale per block).
 EIGHT_BIT_BLOCK = 256
+#: Levels per octave of :func:`eight_bit_levels`' ladder (9% apart).
+EIGHT_BIT_PER_OCTAVE = 8
 
 
 def eight_bit_levels(signed: bool) -> list[float]:
@@ -154,9 +156,8 @@ def eight_bit_levels(signed: bool) -> list[float]:
     that level, never as 0, so that a second moment the denominator divides by
     cannot vanish under a first moment that does not.
     """
-    if signed:
-        return [0.0] + [2.0 ** ((k - 127) / 8) for k in range(1, 128)]
-    return [0.0] + [2.0 ** ((k - 255) / 8) for k in range(1, 256)]
+    top = 127 if signed else 255
+    return [0.0] + [2.0 ** ((k - top) / EIGHT_BIT_PER_OCTAVE) for k in range(1, top + 1)]
 
 
 def stochastic(state_dtype: str | None, stochastic_rounding: bool | None) -> bool:

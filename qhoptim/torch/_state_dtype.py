@@ -201,6 +201,10 @@ def _levels(signed: bool, device: torch.device) -> Tensor:
 def dequantize_(out: Tensor, stored: _Packed, signed: bool) -> None:
     """``out`` (flat, float) <- the values ``stored`` stands for."""
     levels = _levels(signed, out.device)
+    kernel = _cpu_kernel() if out.device.type == "cpu" and out.dtype == torch.float32 else None
+    if kernel is not None and out.is_contiguous():  # one pass, in C++
+        kernel.dequantize8_(out.view(-1), stored.codes, stored.scales, levels, signed)
+        return
     codes = stored.codes.to(torch.int64)
     magnitude = levels[codes & 127 if signed else codes]
     if signed:
@@ -219,6 +223,21 @@ def quantize_(
     NaN keeps it in its scale (it reads back as NaN)."""
     x = src.to(torch.float32).reshape(-1)
     n = x.numel()
+    kernel = _cpu_kernel() if x.device.type == "cpu" else None
+    if kernel is not None:  # one pass, in C++ (the same arithmetic)
+        levels = _levels(signed, x.device)
+        kernel.quantize8_(
+            stored.codes,
+            stored.scales,
+            x.contiguous(),
+            levels,
+            signed,
+            seed,
+            stochastic,
+            start,
+            rounding.EIGHT_BIT_PER_OCTAVE,  # a first guess of a level; the table decides
+        )
+        return
     blocks = -(-n // BLOCK)
     padded = torch.nn.functional.pad(x.abs(), (0, blocks * BLOCK - n))
     scale = padded.view(blocks, BLOCK).amax(dim=1)

@@ -373,3 +373,35 @@ def test_an_8_bit_state_of_the_wrong_size_is_refused_on_load() -> None:
     fresh = QHAdam(_params(), lr=1e-2, state_dtype=U8)
     with pytest.raises(ValueError, match=r"the 8-bit state of a parameter of 2112 values"):
         fresh.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_8_bit_kernel_and_torch_operations_encode_the_same_bytes(
+    signed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CPU the C++ extension encodes and decodes an 8-bit state; elsewhere
+    # torch operations do, with the same arithmetic: the same bytes and values,
+    # for blocks of zeros, NaN, a partial last block and a slice's offset.
+    n = 5 * 256 + 77
+    x = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    x = x.abs() if not signed else x
+    x[256:512] = 0.0
+    x[600] = float("nan")
+    x[700:720] *= 1e-12
+    results = []
+    for kernel in (True, False):
+        with monkeypatch.context() as patch:
+            if not kernel:
+                patch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
+            for stochastic in (True, False):
+                packed = torch.zeros(_state_dtype.packed_numel(n), dtype=U8)
+                stored = _state_dtype._Packed(packed, n, 0, n)
+                _state_dtype.quantize_(stored, x, signed, 21, stochastic, start=4096)
+                out = torch.empty(n)
+                _state_dtype.dequantize_(out, _state_dtype._Packed(packed, n, 0, n), signed)
+                results.append((packed, out))
+    (k_sr, k_out), (k_near, _), (t_sr, t_out), (t_near, _) = results
+    assert torch.equal(k_sr, t_sr) and torch.equal(k_near, t_near)
+    assert torch.equal(k_out.nan_to_num(7.0), t_out.nan_to_num(7.0))
+    assert bool(k_out[512:768].isnan().all())  # the NaN's block reads back as NaN
+    assert bool((k_out[256:512] == 0).all())

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -377,9 +378,109 @@ void stochastic_round_(at::Tensor dst, at::Tensor src, int64_t seed, int64_t sta
   });
 }
 
+// An 8-bit blockwise state (qhoptim.torch._state_dtype.quantize_ / dequantize_,
+// the torch-operations statement of the same arithmetic; a test holds the two
+// to the same bytes). `levels` are qhoptim.rounding.eight_bit_levels: 0 and a
+// geometric ladder to 1, ascending; a signed state's codes keep the sign in
+// their top bit. Each block of kBlock values has a float32 scale, its largest
+// magnitude (NaN if it holds one).
+constexpr int64_t kBlock = 256;
+
+void check_eight_bit(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& values,
+                     const at::Tensor& levels) {
+  const int64_t n = values.numel();
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat && levels.scalar_type() == at::kFloat &&
+                  codes.is_contiguous() && scales.is_contiguous() && values.is_contiguous() &&
+                  levels.is_contiguous() && codes.numel() == n &&
+                  scales.numel() == (n + kBlock - 1) / kBlock && levels.numel() >= 2 &&
+                  codes.device().is_cpu() && values.device().is_cpu(),
+              "qhoptim 8-bit state: uint8 codes, float32 scales and values on the CPU");
+}
+
+void quantize8_(at::Tensor codes, at::Tensor scales, at::Tensor values, at::Tensor levels,
+                bool is_signed, int64_t seed, bool stochastic, int64_t start, int64_t per_octave) {
+  check_eight_bit(codes, scales, values, levels);
+  uint8_t* c = codes.data_ptr<uint8_t>();
+  float* sc = scales.data_ptr<float>();
+  const float* x = values.data_ptr<float>();
+  const float* lv = levels.data_ptr<float>();
+  const int64_t nl = levels.numel(), n = values.numel();
+  const auto s = static_cast<uint32_t>(seed);
+  at::parallel_for(0, scales.numel(), 64, [=](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+      float scale = 0.0f;
+      for (int64_t i = lo; i < hi; ++i) {
+        const float a = std::fabs(x[i]);
+        scale = (a != a || scale != scale) ? NAN : std::max(scale, a);
+      }
+      sc[b] = scale;
+      const bool fold = needs_fold(start + lo, hi - lo);
+      for (int64_t i = lo; i < hi; ++i) {
+        float ratio = std::fabs(x[i]) / scale;
+        if (ratio != ratio) {
+          ratio = 0.0f;  // 0/0 in an all-zero block; a NaN block keeps its NaN scale
+        } else if (ratio > std::numeric_limits<float>::max()) {
+          ratio = std::numeric_limits<float>::max();
+        }
+        // The last level <= ratio (the table decides): a first guess of
+        // per_octave * log2(ratio) from the float's exponent and the top of its
+        // mantissa (within a level of the truth), then a step along the table,
+        // in place of a binary search per value.
+        uint32_t bits;
+        std::memcpy(&bits, &ratio, sizeof(bits));
+        const int64_t octave = static_cast<int64_t>(bits >> 23) - 127;
+        const int64_t eighths = (static_cast<int64_t>(bits & 0x7FFFFFu) * per_octave) >> 23;
+        // The guess is at most one level below (log2(1 + f) >= f), or one
+        // above where a level's float32 rounding lies past the ratio: one step
+        // each way, without branches.
+        int64_t low = nl - 1 + per_octave * octave + eighths;
+        low = std::min<int64_t>(std::max<int64_t>(low, 1), nl - 2);
+        low -= lv[low] > ratio ? 1 : 0;
+        low += lv[low + 1] <= ratio ? 1 : 0;
+        low = std::min<int64_t>(low, nl - 2);
+        const float up = (ratio - lv[low]) / (lv[low + 1] - lv[low]);
+        const uint32_t at = fold ? position_of<true>(start, i) : position_of<false>(start, i);
+        const float threshold =
+            stochastic ? static_cast<float>(hash32(s, at) & 0xFFFFu) / 65536.0f : 0.5f;
+        int64_t code = low + (up > threshold ? 1 : 0);
+        if (is_signed) {
+          code += x[i] < 0.0f ? 128 : 0;
+        } else if (code == 0 && ratio > 0.0f) {
+          code = 1;  // a positive second moment is never stored as 0
+        }
+        c[i] = static_cast<uint8_t>(code);
+      }
+    }
+  });
+}
+
+void dequantize8_(at::Tensor values, at::Tensor codes, at::Tensor scales, at::Tensor levels,
+                  bool is_signed) {
+  check_eight_bit(codes, scales, values, levels);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  float* x = values.data_ptr<float>();
+  const float* lv = levels.data_ptr<float>();
+  const int64_t n = values.numel();
+  at::parallel_for(0, scales.numel(), 64, [=](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float scale = sc[b];
+      for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) {
+        const int code = c[i];
+        const float value = lv[is_signed ? (code & 127) : code] * scale;
+        x[i] = (is_signed && code >= 128) ? -value : value;
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qhm_", &qhm_, "One fused QHM step over a list of CPU tensors, in place.");
   m.def("qhadam_", &qhadam_, "One fused QHAdam step over a list of CPU tensors, in place.");
+  m.def("quantize8_", &quantize8_, "Encode float32 values as an 8-bit blockwise state.");
+  m.def("dequantize8_", &dequantize8_, "Decode an 8-bit blockwise state to float32.");
   m.def("stochastic_round_", &stochastic_round_,
         "Round a float32 CPU tensor to bfloat16 stochastically (qhoptim.rounding).");
 }
