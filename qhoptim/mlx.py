@@ -228,9 +228,13 @@ class _QHOptimizer(optim.Optimizer):
         # A parameter's position, for the seeds of its state's rounding: its
         # place in the gradients' tree, in which order ``apply_single`` is called.
         self._position = 0
-        self._parameters = len(tree_flatten(gradients))
+        # Counted only when a state is rounded (_seeds); not kept past the step.
+        self._gradients: Any = gradients
         self._step_seeds: mx.array | None = None
-        return super().apply_gradients(gradients, parameters)
+        try:
+            return super().apply_gradients(gradients, parameters)
+        finally:
+            self._gradients = None
 
     def _seeds(self, stored: list[mx.array], parameter: mx.array) -> mx.array | None:
         """The rounding seeds of this parameter's ``stored`` states (None where
@@ -243,7 +247,7 @@ class _QHOptimizer(optim.Optimizer):
         if not self._stochastic or all(x.dtype == parameter.dtype for x in stored):
             return None
         if self._step_seeds is None:
-            indices = mx.arange(4 * self._parameters, dtype=mx.uint32)
+            indices = mx.arange(4 * len(tree_flatten(self._gradients)), dtype=mx.uint32)
             seeds = rounding.rounding_seed(self.step.astype(mx.uint32), indices, _BITS)
             self._step_seeds = _materialized(seeds)
         return self._step_seeds[4 * position : 4 * position + len(stored)]

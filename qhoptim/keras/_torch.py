@@ -85,7 +85,10 @@ class TorchStep:
             indices.append(self._get_variable_index(variable))
             params.append(param)
             param_grads.append(grad if grad.dtype == param.dtype else grad.to(param.dtype))
-        step = _step_number(self._read(self.iterations))
+        # The step number: QHAdam's bias corrections and a narrow state's rounding
+        # seeds need it; QHM with full-precision slots reads no count.
+        needs_step = self._RULE == "qhadam" or any(narrow for _, narrow in groups)
+        step = _step_number(self._read(self.iterations)) if needs_step else 0.0
         with torch.no_grad():
             for (decay, narrow), (indices, params, param_grads) in groups.items():
                 # One list per slot (buffer; or moments and, with amsgrad, maxima).
