@@ -72,8 +72,8 @@ torch.set_num_threads(2)
 p = torch.nn.Parameter(torch.randn(50_000_000)); p.grad = torch.randn(50_000_000)
 # The C++ extension (which rounds bfloat16 state) loaded before the peak is reset
 # in every setting: its code and OpenMP's threads are not the step's memory.
-from qhoptim.torch import _fused
-_fused.cpu_kernel_available()
+from qhoptim.torch import _extension
+_extension.cpu_kernel_available()
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 before = status("VmRSS:")

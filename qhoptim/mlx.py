@@ -189,15 +189,6 @@ def _check_real(parameter: mx.array) -> None:
         raise TypeError(f"qhoptim.mlx optimizes real floating-point arrays; got {parameter.dtype}")
 
 
-def _check_params(cls: type, params: object, expected: type) -> None:
-    """``from_params`` takes a conversion's result of the optimizer's own kind."""
-    if not isinstance(params, expected):
-        raise TypeError(
-            f"{cls.__name__}.from_params expects qhoptim.convert.{expected.__name__}; "
-            f"received {type(params).__name__}"
-        )
-
-
 class _QHOptimizer(optim.Optimizer):
     """What QHM and QHAdam share: the step's scalar coefficients, computed once
     per step and dtype for all parameters (:meth:`_step_coefficients`), and
@@ -247,10 +238,13 @@ class _QHOptimizer(optim.Optimizer):
         if not self._stochastic or all(x.dtype == parameter.dtype for x in stored):
             return None
         if self._step_seeds is None:
-            indices = mx.arange(4 * len(tree_flatten(self._gradients)), dtype=mx.uint32)
+            # Every state index of the step (rounding.state_index), seeded at once.
+            count = len(tree_flatten(self._gradients))
+            indices = mx.arange(rounding.state_index(count), dtype=mx.uint32)
             seeds = rounding.rounding_seed(self.step.astype(mx.uint32), indices, _BITS)
             self._step_seeds = _materialized(seeds)
-        return self._step_seeds[4 * position : 4 * position + len(stored)]
+        first = rounding.state_index(position)
+        return self._step_seeds[first : first + len(stored)]
 
     def _coefficients_for(self, dtype: mx.Dtype) -> Any:
         if dtype not in self._coefficients:
@@ -338,7 +332,7 @@ class QHM(_QHOptimizer):
     @classmethod
     def from_params(cls, params: convert.QHMParams, **kwargs: Any) -> QHM:
         """Build from a :class:`qhoptim.convert.QHMParams`, e.g. a conversion's result."""
-        _check_params(cls, params, convert.QHMParams)
+        validation.check_conversion(f"{cls.__name__}.from_params", params, convert.QHMParams)
         return cls(params.lr, params.momentum, params.nu, **kwargs)
 
     def init_single(self, parameter: mx.array, state: dict[str, Any]) -> None:
@@ -443,7 +437,7 @@ class QHAdam(_QHOptimizer):
     @classmethod
     def from_params(cls, params: convert.QHAdamParams, **kwargs: Any) -> QHAdam:
         """Build from a :class:`qhoptim.convert.QHAdamParams`, e.g. ``convert.from_nadam(...)``."""
-        _check_params(cls, params, convert.QHAdamParams)
+        validation.check_conversion(f"{cls.__name__}.from_params", params, convert.QHAdamParams)
         return cls(params.lr, params.betas, params.nus, params.eps, **kwargs)
 
     def init_single(self, parameter: mx.array, state: dict[str, Any]) -> None:

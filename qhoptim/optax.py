@@ -23,6 +23,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -123,9 +124,8 @@ def _leaves_like(treedef: Any, tree: Any, what: str) -> list[Any]:
         ) from error
 
 
-def _abs_sq(x: jax.Array) -> jax.Array:
-    # |x|^2 of a real or complex array, real-valued; exactly x*x for real x.
-    return jnp.real(x * jnp.conj(x))
+# |x|**2 of JAX's real and complex arrays
+_abs_sq = functools.partial(rules.abs_square, conj=jnp.conj, real=jnp.real)
 
 
 def _cast(x: Any, dtype: Any) -> Any:
@@ -327,7 +327,7 @@ def scale_by_qhm(
             if count is None:
                 new_buffers.append(b.astype(dtype))
             else:
-                seed = _rounding_seed(count, 4 * position)
+                seed = _rounding_seed(count, rounding.state_index(position))
                 new_buffers.append(_store(b, buf.dtype, seed, stochastic))
         buffer_tree = jax.tree.unflatten(treedef, new_buffers)
         new_state: ScaleByQHMState | ScaleByQHMCountState
@@ -510,7 +510,10 @@ def scale_by_qhadam(
                 if amsgrad:
                     new_maxes.append(next_max.astype(dtype))
                 continue
-            seeds = [_rounding_seed(count, 4 * position + k) for k in range(3 if amsgrad else 2)]
+            seeds = [
+                _rounding_seed(count, rounding.state_index(position, k))
+                for k in range(3 if amsgrad else 2)
+            ]
             new_exp_avgs.append(_store(next_exp_avg, state_dtype, seeds[0], stochastic))
             new_exp_avg_sqs.append(_store(next_exp_avg_sq, state_dtype, seeds[1], stochastic))
             if amsgrad:
@@ -781,14 +784,8 @@ def from_params(
       >>> print(", ".join(f"{x:.3f}" for x in u1), bool(jnp.allclose(u1, u2, rtol=1e-6)))
       -0.172, 0.344 True
     """
+    validation.check_conversion("from_params", params, convert.QHMParams, convert.QHAdamParams)
     if isinstance(params, convert.QHMParams):
         return qhm(learning_rate=params.lr, momentum=params.momentum, nu=params.nu, **kwargs)
-    if isinstance(params, convert.QHAdamParams):
-        (b1, b2), (nu1, nu2) = params.betas, params.nus
-        return qhadam(
-            learning_rate=params.lr, b1=b1, b2=b2, nu1=nu1, nu2=nu2, eps=params.eps, **kwargs
-        )
-    raise TypeError(
-        "from_params expects qhoptim.convert.QHMParams or qhoptim.convert.QHAdamParams; "
-        f"received {type(params).__name__}"
-    )
+    (b1, b2), (nu1, nu2) = params.betas, params.nus
+    return qhadam(learning_rate=params.lr, b1=b1, b2=b2, nu1=nu1, nu2=nu2, eps=params.eps, **kwargs)

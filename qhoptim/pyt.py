@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 # qhoptim.torch first: without torch it says which extra to install.
 from qhoptim import torch as _torch
-from qhoptim.torch._optimizer import required
+
+# torch's sentinel of a required lr (add_param_group checks it), after the line above.
+from torch.optim.optimizer import required  # isort: skip
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -18,6 +18,7 @@ They are also usable directly, e.g. to prototype on small NumPy problems::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -36,9 +37,8 @@ def _as64(x: object) -> Array:
     return a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
 
 
-def _abs_sq(x: Array) -> Array:
-    # |x|^2 without a square root; exactly x*x for real input.
-    return (x * np.conj(x)).real
+# |x|**2 of the reference's real and complex arrays
+_abs_sq = functools.partial(rules.abs_square, conj=np.conj, real=np.real)
 
 
 class QHMState(NamedTuple):

@@ -17,7 +17,8 @@ are unchanged.
 The random bits are counter-based, the same numbers in every backend:
 
 - the *seed* of a tensor's state after step ``t`` (counted from 1) is
-  :func:`rounding_seed` of ``t`` and ``index = 4 * position + k`` -- the
+  :func:`rounding_seed` of ``t`` and ``index = 4 * position + k``
+  (:func:`state_index`) -- the
   parameter's position in the optimizer (its leaf in the pytree, its variable
   in Keras) and ``k`` the state (0: QHM's buffer or QHAdam's first moment,
   1: the second moment, 2: AMSGrad's maximum);
@@ -54,6 +55,7 @@ __all__ = [
     "noise16",
     "round_bits",
     "rounding_seed",
+    "state_index",
     "stochastic",
     "stochastic_round_reference",
 ]
@@ -105,8 +107,22 @@ def mix32(x: Any, bits: Bits = PYTHON) -> Any:
     return x ^ bits.shift(x, 16)
 
 
+#: State indices a parameter takes (:func:`state_index`): QHM's buffer, or QHAdam's
+#: two moments and AMSGrad's maximum, with room for one more.
+STATES_PER_PARAMETER = 4
+
+
+def state_index(position: Any, k: Any = 0) -> Any:
+    """The index of state ``k`` of the parameter at ``position`` in the optimizer:
+    ``4 * position + k`` (``k``: 0 QHM's buffer or QHAdam's first moment, 1 the
+    second moment, 2 AMSGrad's maximum). ``k = 0`` gives a parameter's first
+    index, from which its states count (``position`` may be a backend's
+    integer array)."""
+    return STATES_PER_PARAMETER * position + k
+
+
 def rounding_seed(step: Any, index: Any, bits: Bits = PYTHON) -> Any:
-    """The 32-bit seed of state ``index`` (``4 * position + k``) after step ``step`` (from 1).
+    """The 32-bit seed of state ``index`` (:func:`state_index`) after step ``step`` (from 1).
 
     ``step`` and ``index`` are taken modulo ``2**32``; with :data:`PYTHON`
     they are Python ints, in a backend they may be its uint32 scalars (a

@@ -64,7 +64,9 @@ __all__ = [
     "Denominator",
     "FoldedQHAdam",
     "QHAdamCoefficients",
+    "QHAdamMomentWeights",
     "QHMCoefficients",
+    "abs_square",
     "amsgrad_maximum",
     "apply_update",
     "bias_correction",
@@ -76,6 +78,7 @@ __all__ = [
     "qhadam_amsgrad_update",
     "qhadam_coefficients",
     "qhadam_denominator",
+    "qhadam_moment_weights",
     "qhadam_update",
     "qhm_coefficients",
     "qhm_update",
@@ -109,6 +112,36 @@ class QHAdamCoefficients(NamedTuple):
     exp_avg_weight: Any  # nu1 / (1 - beta1**t)
     grad_sq_weight: Any  # 1 - nu2
     exp_avg_sq_weight: Any  # nu2 / (1 - beta2**t)
+
+
+class QHAdamMomentWeights(NamedTuple):
+    """The EWMA weights of QHAdam's two moments, as in-place kernels apply them.
+
+    ``exp_avg = exp_avg_decay * exp_avg + grad_to_exp_avg * grad`` (torch's
+    ``exp_avg.lerp_(grad, grad_to_exp_avg)``) and ``exp_avg_sq =
+    exp_avg_sq_decay * exp_avg_sq + grad_sq_to_exp_avg_sq * |grad|**2``: each
+    moment is an EWMA (:func:`ewma`), as QHM's buffer
+    (:attr:`QHMCoefficients.grad_to_buffer`).
+    """
+
+    exp_avg_decay: Any  # beta1
+    grad_to_exp_avg: Any  # 1 - beta1
+    exp_avg_sq_decay: Any  # beta2
+    grad_sq_to_exp_avg_sq: Any  # 1 - beta2
+
+
+def qhadam_moment_weights(beta1: Any, beta2: Any) -> QHAdamMomentWeights:
+    """The weights of QHAdam's moment EWMAs for discounts ``beta1`` and ``beta2``."""
+    return QHAdamMomentWeights(beta1, 1 - beta1, beta2, 1 - beta2)
+
+
+def abs_square(
+    x: Array, *, conj: Callable[[Array], Array], real: Callable[[Array], Array]
+) -> Array:
+    """``|x|**2`` of a real or complex array, real-valued and without a square root:
+    ``real(x * conj(x))``, exactly ``x * x`` for real ``x``. The ``square`` QHAdam's
+    rules take for complex gradients (``conj`` and ``real`` are the backend's)."""
+    return real(x * conj(x))
 
 
 def ewma(average: Array, value: Array, beta: Any) -> Array:

@@ -33,6 +33,7 @@ __all__ = [
     "as_float",
     "check_beta",
     "check_bool",
+    "check_conversion",
     "check_eps",
     "check_finite",
     "check_interval",
@@ -241,6 +242,21 @@ def check_pair(value: object, name: str) -> tuple[Any, Any]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
         raise ValueError(f"{name} must be a pair of two numbers; received {name}={value!r}")
     return value[0], value[1]
+
+
+def check_conversion(where: str, converted: object, *expected: type) -> None:
+    """A ``from_params`` argument: a conversion's result (:mod:`qhoptim.convert`) of
+    one of the ``expected`` kinds, else a ``TypeError`` in every backend's wording.
+
+    >>> check_conversion("QHM.from_params", 0.1, type(None))
+    Traceback (most recent call last):
+    ...
+    TypeError: QHM.from_params expects qhoptim.convert.NoneType; received float
+    """
+    if isinstance(converted, expected):
+        return
+    kinds = " or ".join(f"qhoptim.convert.{kind.__name__}" for kind in expected)
+    raise TypeError(f"{where} expects {kinds}; received {type(converted).__name__}")
 
 
 def check_finite(value: T, name: str) -> T:

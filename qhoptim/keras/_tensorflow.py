@@ -11,6 +11,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from qhoptim.keras import _settings
+from qhoptim.keras._step import apply_step
+
 #: Sparse gradients of the TensorFlow backend (``Embedding`` layers give
 #: ``tf.IndexedSlices``), densified before the step.
 SPARSE_TYPES: tuple[type, ...] = (tf.IndexedSlices,)
@@ -18,9 +21,7 @@ SPARSE_TYPES: tuple[type, ...] = (tf.IndexedSlices,)
 
 def _jit_compile() -> bool:
     """``qhoptim.keras.TF_JIT_COMPILE``, read at every step: users set it on the package."""
-    import qhoptim.keras
-
-    return bool(qhoptim.keras.TF_JIT_COMPILE)
+    return bool(_settings.TF_JIT_COMPILE)
 
 
 def _handle(x: Any) -> Any:
@@ -41,11 +42,9 @@ def _xla_step(optimizer: Any, step: Any) -> Any:
     across optimizers (or models) would call it with deleted variables.
     """
 
-    def run(inputs: list[Any], state: list[Any], **hparams: Any) -> None:
+    def run(inputs: dict[str, Any], slots: dict[str, Any], variable: Any, **hparams: Any) -> None:
         read = tf.convert_to_tensor
-        values = step(*map(read, inputs), *map(read, state), **hparams)
-        for variable, value in zip(state, values, strict=True):
-            optimizer.assign(variable, value)
+        apply_step(step, inputs, slots, variable, hparams, read=read, assign=optimizer.assign)
 
     return tf.function(run, jit_compile=True, reduce_retracing=True)
 
@@ -65,13 +64,23 @@ class TensorFlowStep:
         return tf.convert_to_tensor(x)
 
     def _step_variable(
-        self: Any, step: Any, inputs: list[Any], state: list[Any], hparams: dict[str, Any]
+        self: Any,
+        step: Any,
+        inputs: dict[str, Any],
+        slots: dict[str, Any],
+        variable: Any,
+        hparams: dict[str, Any],
     ) -> None:
         """The step as one XLA computation (:data:`qhoptim.keras.TF_JIT_COMPILE`), or plain ops."""
         if not _jit_compile():
-            super()._step_variable(step, inputs, state, hparams)  # type: ignore[misc]
+            super()._step_variable(step, inputs, slots, variable, hparams)  # type: ignore[misc]
             return
         steps = self.__dict__.setdefault("_xla_steps", {})
         if step not in steps:
             steps[step] = _xla_step(self, step)
-        steps[step]([_handle(x) for x in inputs], [_handle(v) for v in state], **hparams)
+        steps[step](
+            {name: _handle(x) for name, x in inputs.items()},
+            {name: _handle(s) for name, s in slots.items()},
+            _handle(variable),
+            **hparams,
+        )

@@ -12,31 +12,21 @@ from typing import Any
 
 import torch
 
-from qhoptim import rounding, validation
-from qhoptim.torch import _fused, _kernels, _state_dtype
-from qhoptim.torch._optimizer import unalias_grads
+from qhoptim import validation
+from qhoptim.keras import _settings
+from qhoptim.keras._step import step_number
+from qhoptim.torch import _fused, _kernels, _state_dtype, _tensors
+from qhoptim.torch._extension import cpu_kernel_available
+from qhoptim.torch._tensors import unalias_grads
 
 
 def _fused_here(params: list[Any]) -> bool:
     """Whether these variables step through the fused CPU kernel (``TORCH_FUSED``)."""
-    import qhoptim.keras
-
     return (
-        bool(qhoptim.keras.TORCH_FUSED)
+        bool(_settings.TORCH_FUSED)
         and all(p.device.type == "cpu" for p in params)
-        and _fused.cpu_kernel_available()
+        and cpu_kernel_available()
     )
-
-
-def _step_number(iterations: Any) -> float:
-    """The number of the step being taken, ``iterations + 1``, as a Python float.
-
-    Keras's int32 ``iterations`` wraps around to ``-2**31`` after ``2**31 - 1``
-    steps; the wrapped count is read as the step it stands for (``+ 2**32``), as
-    ``qhoptim.keras._step_number`` does on the per-variable path.
-    """
-    t = int(iterations) + 1
-    return float(t + 2**32 if t < 1 else t)
 
 
 class TorchStep:
@@ -46,10 +36,15 @@ class TorchStep:
         return gradient  # Keras has no sparse tensors on torch
 
     def _step_variable(
-        self: Any, step: Any, inputs: list[Any], state: list[Any], hparams: dict[str, Any]
+        self: Any,
+        step: Any,
+        inputs: dict[str, Any],
+        slots: dict[str, Any],
+        variable: Any,
+        hparams: dict[str, Any],
     ) -> None:
         with torch.no_grad():  # Keras's generic path does not turn autograd off
-            super()._step_variable(step, inputs, state, hparams)  # type: ignore[misc]
+            super()._step_variable(step, inputs, slots, variable, hparams)  # type: ignore[misc]
 
     def _backend_update_step(
         self: Any, grads: list[Any], trainable_variables: list[Any], learning_rate: Any
@@ -88,11 +83,11 @@ class TorchStep:
         # The step number: QHAdam's bias corrections and a narrow state's rounding
         # seeds need it; QHM with full-precision slots reads no count.
         needs_step = self._RULE == "qhadam" or any(narrow for _, narrow in groups)
-        step = _step_number(self._read(self.iterations)) if needs_step else 0.0
+        step = step_number(int(self._read(self.iterations))) if needs_step else 0.0
         with torch.no_grad():
             for (decay, narrow), (indices, params, param_grads) in groups.items():
                 # One list per slot (buffer; or moments and, with amsgrad, maxima).
-                per_variable = [[s.value for s in self._slots(i)] for i in indices]
+                per_variable = [[s.value for s in self._slots(i).values()] for i in indices]
                 slots = [list(s) for s in zip(*per_variable, strict=True)]
                 kwargs = dict(
                     hparams,
@@ -106,25 +101,24 @@ class TorchStep:
                 if not narrow:
                     _step_lists(self._RULE, params, param_grads, slots, step, kwargs)
                     continue
-                # The seeds of the step's rounding: its number and the variable's
-                # index, as on the per-variable path (qhoptim.keras._state_seed).
-                seeds = [
-                    [_state_dtype.rounding_seed(step, 4 * i + k) for k in range(3)] for i in indices
-                ]
-                stochastic = rounding.stochastic(self.state_dtype, self.stochastic_rounding)
-                in_kernel = self.state_dtype == "bfloat16" and stochastic
-                in_kernel = in_kernel and all(p.dtype == torch.float32 for p in params)
-                if in_kernel and _fused_here(params):
-                    _step_lists(self._RULE, params, param_grads, slots, step, kwargs, seeds)
-                    continue
 
-                def piece_step(
-                    at: list[int], ps: Any, gs: Any, work: Any, kwargs: dict[str, Any] = kwargs
+                # Rounded with the seeds of the step's number and the variable's
+                # index, as on the per-variable path (qhoptim.keras._narrow).
+                def run(
+                    at: Any, ps: Any, gs: Any, work: Any, seeds: Any, kwargs: Any = kwargs
                 ) -> None:
-                    _step_lists(self._RULE, ps, gs, work, step, kwargs)
+                    _step_lists(self._RULE, ps, gs, work, step, kwargs, seeds)
 
-                _state_dtype.step_with_narrow_state(
-                    params, param_grads, slots, piece_step, seeds, self.stochastic_rounding
+                _state_dtype.step_narrow_state(
+                    params,
+                    param_grads,
+                    slots,
+                    run,
+                    steps=[step] * len(params),
+                    positions=indices,
+                    fused=_fused_here(params),
+                    state_dtype=getattr(torch, self.state_dtype),
+                    stochastic_rounding=self.stochastic_rounding,
                 )
         return None
 
@@ -151,7 +145,7 @@ def _step_lists(
     if rule == "qhm":
         (buffers,) = slots
         if fused:
-            hp = _kernels.QHMHyperparameters(**kwargs)
+            hp = _tensors.QHMHyperparameters(**kwargs)
             _fused.fused_qhm(
                 params, grads, buffers, hp, grad_scale=None, found_inf=None, state_seeds=state_seeds
             )
@@ -163,7 +157,7 @@ def _step_lists(
     max_exp_avg_sqs = maxes[0] if maxes else None
     steps = [step] * len(params)
     if fused:
-        hp_adam = _kernels.QHAdamHyperparameters(**kwargs)
+        hp_adam = _tensors.QHAdamHyperparameters(**kwargs)
         _fused.fused_qhadam_cpu_(
             params, grads, exp_avgs, exp_avg_sqs, steps, hp_adam, max_exp_avg_sqs, state_seeds
         )

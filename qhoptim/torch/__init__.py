@@ -2,10 +2,16 @@ r"""QHM, QHAdam and QHAdamW for PyTorch (``torch.optim.Optimizer`` subclasses).
 
 The layout follows ``torch/optim``: one module per optimizer (``_qhm.py``,
 ``_qhadam.py``) holding the class and its functional entry point (:func:`qhm`,
-:func:`qhadam`), which dispatches to a per-tensor (``_single_tensor_*``) or a
-multi-tensor (``_multi_tensor_*``) implementation; the machinery the classes
-share is in ``_optimizer.py``, and every piece of tensor arithmetic in
-``_kernels.py``, with its coefficients from :mod:`qhoptim.rules`.
+:func:`qhadam`), which dispatches to a per-tensor (``_single_tensor_*``), a
+multi-tensor (``_multi_tensor_*``) or a fused implementation; the base class
+the two share is in ``_optimizer.py``. Below them, each importing only the
+layers beneath it: ``_state_dict.py`` (state-dict checks) and ``_fused.py``
+(``fused=True``: ``csrc/`` on CPU, ``_triton.py`` on CUDA); ``_kernels.py``
+(every piece of tensor arithmetic, its coefficients from
+:mod:`qhoptim.rules`) and ``_state_dtype.py`` (narrow state); at the bottom
+``_tensors.py`` (tensor lists, flags) and ``_extension.py`` (the C++ build).
+``docs/design.md`` draws the layers; ``tests/test_layers.py`` holds the code to
+them.
 
 This package imports only torch and the qhoptim core.
 """

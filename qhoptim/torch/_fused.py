@@ -23,31 +23,29 @@ float32.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import shutil
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from qhoptim import rules
-from qhoptim.torch import _kernels
-from qhoptim.torch._optimizer import group_by_device_and_dtype, unalias_grads
+from qhoptim.torch import _kernels, _tensors
+from qhoptim.torch._extension import cpu_extension
+from qhoptim.torch._tensors import (
+    group_by_device_and_dtype,
+    local_shard,
+    local_shards,
+    unalias_grads,
+)
 
 __all__ = [
     "check_fused",
     "check_fused_amsgrad",
-    "cpu_kernel_available",
     "fused_qhadam",
     "fused_qhadam_cpu_",
     "fused_qhm",
 ]
 
-_CSRC = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
-_FORMS = {rules.Denominator.EXP_AVG_SQ: 0, rules.Denominator.GRAD: 1, rules.Denominator.MIX: 2}
 _DEVICES = ("cpu", "cuda")
 
 
@@ -70,71 +68,12 @@ def check_fused_amsgrad(params: list[Tensor]) -> None:
 
     The fused CPU kernel has it; on CUDA the multi-tensor kernels do.
     """
-    if any(_local(p).device.type == "cuda" for p in params):
+    if any(local_shard(p).device.type == "cuda" for p in params):
         raise ValueError(
             "fused=True with amsgrad=True is not supported for CUDA parameters: "
             "qhoptim's fused (Triton) CUDA kernels have no AMSGrad variant; "
             "use foreach=True (the multi-tensor kernels) with amsgrad=True instead"
         )
-
-
-@functools.cache
-def _cpu_extension() -> Any:
-    """The compiled C++ kernels (built on first use, then loaded from the disk cache)."""
-    from torch.utils import cpp_extension
-
-    missing = []
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        missing.append("a C++ compiler (`c++`, or the one $CXX names)")
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        missing.append("ninja (`pip install ninja`)")
-    if missing:
-        raise RuntimeError(
-            "fused=True on CPU compiles qhoptim's C++ kernel on first use, which needs "
-            + " and ".join(missing)
-            + "; install them, or use fused=False (the multi-tensor kernels)."
-        )
-    # The vector width torch found this CPU to have (it dispatches its own
-    # kernels likewise): AVX2 and FMA where present, else the compiler's baseline.
-    # The kernel is built on the machine that runs it, under a name per width and
-    # per source: two qhoptim versions (or two checkouts) sharing torch's
-    # extension cache then each keep their own build instead of rebuilding the
-    # other's, even at the same time.
-    wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    digest = hashlib.sha256(_CSRC.read_bytes()).hexdigest()[:12]
-    try:
-        return cpp_extension.load(
-            name="qhoptim_fused_cpu" + ("_avx2" if wide else "") + f"_{digest}",
-            sources=[str(_CSRC)],
-            # OpenMP: at::parallel_for is inline, so without it the kernel would run on
-            # one thread; libgomp.so.1 resolves to the copy torch has already loaded.
-            # -std=c++20 (ISO) keeps FMA contraction off: the same rounding either way.
-            extra_cflags=["-O3", "-fno-math-errno", "-fopenmp"]
-            + (["-mavx2", "-mfma"] if wide else []),
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as error:  # the compiler's own failure, with its output
-        raise RuntimeError(
-            f"fused=True on CPU: compiling qhoptim's C++ kernel ({_CSRC.name}) failed; "
-            f"use fused=False (the multi-tensor kernels). The build said: {error}"
-        ) from error
-
-
-@functools.cache
-def cpu_kernel_available() -> bool:
-    """Whether the fused CPU kernel can be had (built, or loaded from the disk cache).
-
-    For callers that fall back to the multi-tensor kernels (``qhoptim.keras`` on
-    torch); the answer is kept, so a missing compiler is found once, not each step.
-    """
-    try:
-        _cpu_extension()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _triton() -> Any:
@@ -207,24 +146,6 @@ class _Contiguous:
             t.copy_(c)
 
 
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (FSDP2, tensor parallelism): the step is element-wise,
-    and a parameter, its gradient and its state share their placements."""
-    to_local = getattr(t, "to_local", None)
-    return t if to_local is None else to_local()
-
-
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
-def _locals(ts: list[Tensor]) -> list[Tensor]:
-    """:func:`_local` of each; the list itself when it holds plain tensors only
-    (a type check per tensor, cheaper than looking up ``to_local`` on each)."""
-    if all([type(t) in _PLAIN for t in ts]):
-        return ts
-    return [_local(t) for t in ts]
-
-
 def _groups_with_indices(
     tensorlists: list[list[Tensor]], *, by: int | None = None
 ) -> list[tuple[torch.device, list[Any]]]:
@@ -235,7 +156,7 @@ def _groups_with_indices(
     positions -- for a bfloat16 state beside float32 parameters, which torch's
     grouping (before 2.13) refuses as a mix of dtypes.
     """
-    tensorlists = [_locals(ts) for ts in tensorlists]
+    tensorlists = [local_shards(ts) for ts in tensorlists]
     n = len(tensorlists) if by is None else by
     grouped = group_by_device_and_dtype(tensorlists[:n], with_indices=True)
     return [
@@ -255,7 +176,7 @@ def fused_qhm(
     params: list[Tensor],
     grads: list[Tensor],
     momentum_buffers: list[Tensor],
-    hp: _kernels.QHMHyperparameters,
+    hp: _tensors.QHMHyperparameters,
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
@@ -283,7 +204,7 @@ def fused_qhm(
             lr = float(hp.lr)
             coupled, decay = _decay(hp, lr)
             buffer_value, grad_value = rules.fold_qhm(c, lr)
-            _cpu_extension().qhm_(
+            cpu_extension().qhm_(
                 ps,
                 gs,
                 bufs,
@@ -319,7 +240,7 @@ def fused_qhadam(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     state_steps: list[Tensor],
-    hp: _kernels.QHAdamHyperparameters,
+    hp: _tensors.QHAdamHyperparameters,
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
@@ -364,7 +285,7 @@ def fused_qhadam_cpu_(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[float],
-    hp: _kernels.QHAdamHyperparameters,
+    hp: _tensors.QHAdamHyperparameters,
     max_exp_avg_sqs: list[Tensor] | None = None,
     state_seeds: list[list[int]] | None = None,
 ) -> None:
@@ -393,7 +314,7 @@ def _cpu_qhadam_(
     ss: list[Tensor],
     vs: list[list[Tensor]],
     steps: list[float],
-    hp: _kernels.QHAdamHyperparameters,
+    hp: _tensors.QHAdamHyperparameters,
     grad_scale: Tensor | None,
     seeds: Tensor,
 ) -> None:
@@ -401,6 +322,7 @@ def _cpu_qhadam_(
     ``seeds`` see :func:`_seed_table`."""
     lr = float(hp.lr)
     coupled, decay = _decay(hp, lr)
+    w = rules.qhadam_moment_weights(hp.beta1, hp.beta2)
     # One fold per distinct step number (usually one for the whole list).
     folds = {
         t: _kernels.host_fold(t, lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps)[1:]
@@ -412,19 +334,19 @@ def _cpu_qhadam_(
     else:
         coefficients = torch.tensor([folds[t] for t in steps], dtype=torch.float64)
     coefficients = coefficients.contiguous()
-    _cpu_extension().qhadam_(
+    cpu_extension().qhadam_(
         ps,
         gs,
         ms,
         ss,
         vs[0] if vs else [],
         coefficients,
-        _FORMS[rules.qhadam_denominator(hp.nu2)],
+        _kernels.DENOMINATOR_FORMS[rules.qhadam_denominator(hp.nu2)],
         _grad_multiplier(hp, grad_scale),
         coupled,
         decay,
-        1 - hp.beta1,
-        hp.beta2,
-        1 - hp.beta2,
+        w.grad_to_exp_avg,
+        w.exp_avg_sq_decay,
+        w.grad_sq_to_exp_avg_sq,
         seeds,
     )

@@ -31,17 +31,19 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from qhoptim import rules
-from qhoptim.torch._optimizer import group_by_device_and_dtype
+from qhoptim.torch._tensors import (
+    QHAdamHyperparameters,
+    QHMHyperparameters,
+    group_by_device_and_dtype,
+)
 
 __all__ = [
-    "QHAdamHyperparameters",
-    "QHMHyperparameters",
     "amsgrad_maxes",
     "bias_corrections",
     "device_coefficients",
@@ -54,36 +56,15 @@ __all__ = [
     "qhm_",
 ]
 
+#: The fused kernels' code of each QHAdam denominator form (C++ and Triton alike).
+DENOMINATOR_FORMS = {
+    rules.Denominator.EXP_AVG_SQ: 0,
+    rules.Denominator.GRAD: 1,
+    rules.Denominator.MIX: 2,
+}
+
 #: A kernel coefficient: a Python number, a 0-d tensor, or one 0-d tensor per tensor.
 Coefficient = Any
-
-
-class QHMHyperparameters(NamedTuple):
-    """The hyperparameters of one QHM step (Python numbers; ``lr`` may be a tensor)."""
-
-    lr: Any
-    momentum: float
-    nu: float
-    weight_decay: float
-    decoupled_weight_decay: bool
-    maximize: bool
-
-
-class QHAdamHyperparameters(NamedTuple):
-    """The hyperparameters of one QHAdam step (Python numbers; ``lr`` may be a tensor)."""
-
-    lr: Any
-    beta1: float
-    beta2: float
-    nu1: float
-    nu2: float
-    eps: float
-    weight_decay: float
-    decoupled_weight_decay: bool
-    maximize: bool
-    #: QHAdam's AMSGrad variant: the denominator reads the running maximum of
-    #: the second moment (:func:`qhoptim.rules.qhadam_amsgrad_update`).
-    amsgrad: bool = False
 
 
 # On CPU the multi-tensor kernels run over runs of whole tensors of about this
@@ -119,7 +100,9 @@ def abs_sq(x: Tensor) -> Tensor:
     """``|x|**2`` (real, without a square root): ``x * x`` for real tensors."""
     # dtype.is_complex, not Tensor.is_complex(): torch.compile before 2.4 breaks
     # the graph on the method call.
-    return torch.real(x * x.conj()) if x.dtype.is_complex else x * x
+    if x.dtype.is_complex:
+        return rules.abs_square(x, conj=torch.conj, real=torch.real)  # type: ignore[no-any-return]
+    return x * x
 
 
 def _sqrt(x: Any) -> Any:
@@ -471,7 +454,7 @@ def qhadam_(
             for step in set(cast(Sequence[float], steps))
         }
     (one_fold,) = host_folds.values() if len(host_folds) == 1 else (None,)
-    exp_avg_weight, exp_avg_sq_weight = 1 - hp.beta1, 1 - hp.beta2
+    w = rules.qhadam_moment_weights(hp.beta1, hp.beta2)
     for chunk in _chunks(params, per_tensor):
         ps, gs, ms, ss = params[chunk], grads[chunk], exp_avgs[chunk], exp_avg_sqs[chunk]
         vs = ss if maxes is None else maxes[chunk]  # what the denominator reads
@@ -481,12 +464,12 @@ def qhadam_(
             grad_sqs = [abs_sq(g) for g in gs]
             ps, gs, ms = _real_views(ps, gs, ms)
         # Each moment is a QH average (paper, Sec. 5): its EWMA weights are QHM's.
-        torch._foreach_lerp_(ms, gs, exp_avg_weight)
-        torch._foreach_mul_(ss, hp.beta2)
+        torch._foreach_lerp_(ms, gs, w.grad_to_exp_avg)
+        torch._foreach_mul_(ss, w.exp_avg_sq_decay)
         if grad_sqs is None:
-            torch._foreach_addcmul_(ss, gs, gs, exp_avg_sq_weight)
+            torch._foreach_addcmul_(ss, gs, gs, w.grad_sq_to_exp_avg_sq)
         else:
-            torch._foreach_add_(ss, grad_sqs, alpha=exp_avg_sq_weight)
+            torch._foreach_add_(ss, grad_sqs, alpha=w.grad_sq_to_exp_avg_sq)
         if maxes is not None:
             torch._foreach_maximum_(vs, ss)
         if device_fold is not None:

@@ -11,23 +11,25 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from qhoptim import convert, rules, validation
-from qhoptim.torch import _fused, _kernels, _state_dtype
+from qhoptim.torch import _fused, _kernels, _state_dtype, _tensors
 from qhoptim.torch._optimizer import (
     QHOptimizer,
     capturable_doc,
-    cast_complex_state,
-    default_foreach,
     differentiable_doc,
     foreach_doc,
-    group_by_device_and_dtype,
     lr_value,
     maximize_doc,
-    needs_formula,
     numbers_only,
-    on_device_kernels,
     params_doc,
-    scalar_lr,
     state_dtype_doc,
+)
+from qhoptim.torch._state_dict import cast_complex_state
+from qhoptim.torch._tensors import (
+    default_foreach,
+    group_by_device_and_dtype,
+    needs_formula,
+    on_device_kernels,
+    scalar_lr,
     unalias_grads,
     value_of,
 )
@@ -464,7 +466,7 @@ def _single_tensor_qhadam(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     state_steps: list[Tensor],
-    hp: _kernels.QHAdamHyperparameters,
+    hp: _tensors.QHAdamHyperparameters,
     *,
     capturable: bool,
     differentiable: bool,
@@ -509,7 +511,7 @@ def _multi_tensor_qhadam(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     state_steps: list[Tensor],
-    hp: _kernels.QHAdamHyperparameters,
+    hp: _tensors.QHAdamHyperparameters,
     *,
     capturable: bool,
     differentiable: bool,
@@ -605,7 +607,7 @@ def qhadam(
             "qhadam(amsgrad=True) needs max_exp_avg_sqs, one tensor per parameter "
             "(zeros before the first step)"
         )
-    hp = _kernels.QHAdamHyperparameters(
+    hp = _tensors.QHAdamHyperparameters(
         scalar_lr(lr),
         beta1,
         beta2,

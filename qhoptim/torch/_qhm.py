@@ -11,23 +11,25 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from qhoptim import convert, validation
-from qhoptim.torch import _fused, _kernels, _state_dtype
+from qhoptim.torch import _fused, _kernels, _state_dtype, _tensors
 from qhoptim.torch._optimizer import (
     QHOptimizer,
     capturable_doc,
-    cast_complex_state,
-    default_foreach,
     differentiable_doc,
     foreach_doc,
     lr_value,
     maximize_doc,
-    needs_formula,
     numbers_only,
-    on_device_kernels,
     params_doc,
     required,
-    scalar_lr,
     state_dtype_doc,
+)
+from qhoptim.torch._state_dict import cast_complex_state
+from qhoptim.torch._tensors import (
+    default_foreach,
+    needs_formula,
+    on_device_kernels,
+    scalar_lr,
     unalias_grads,
 )
 
@@ -273,7 +275,7 @@ def _single_tensor_qhm(
     params: list[Tensor],
     grads: list[Tensor],
     momentum_buffers: list[Tensor],
-    hp: _kernels.QHMHyperparameters,
+    hp: _tensors.QHMHyperparameters,
     *,
     capturable: bool,
     differentiable: bool,
@@ -290,7 +292,7 @@ def _multi_tensor_qhm(
     params: list[Tensor],
     grads: list[Tensor],
     momentum_buffers: list[Tensor],
-    hp: _kernels.QHMHyperparameters,
+    hp: _tensors.QHMHyperparameters,
     *,
     capturable: bool,
     differentiable: bool,
@@ -343,7 +345,7 @@ def qhm(
     (``QHM(state_dtype=torch.bfloat16)``), rounded stochastically with these
     seeds, ``[seed]`` per tensor.
     """
-    hp = _kernels.QHMHyperparameters(
+    hp = _tensors.QHMHyperparameters(
         scalar_lr(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize
     )
     if fused:

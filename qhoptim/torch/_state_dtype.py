@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from qhoptim import rounding
+from qhoptim.torch import _extension
 
 __all__ = [
     "STATE_DTYPES",
@@ -41,6 +42,8 @@ __all__ = [
     "in_fused_kernel",
     "narrow",
     "rounding_seed",
+    "state_seeds",
+    "step_narrow_state",
     "step_with_narrow_state",
     "stochastic_round_",
 ]
@@ -89,21 +92,36 @@ def narrow(group: dict[str, Any], param: Tensor) -> bool:
     return dtype is not None and dtype != param.dtype
 
 
-def in_fused_kernel(group: dict[str, Any], params: Sequence[Tensor]) -> bool:
-    """Whether the fused CPU kernel steps these parameters' bfloat16 state itself:
-    ``fused=True``, float32 CPU parameters, bfloat16 state, stochastic rounding."""
+def in_fused_kernel(
+    fused: bool,
+    state_dtype: torch.dtype | None,
+    stochastic_rounding: bool | None,
+    params: Sequence[Tensor],
+) -> bool:
+    """Whether the fused CPU kernel steps these parameters' narrow state itself:
+    ``fused``, float32 CPU parameters, bfloat16 state, stochastic rounding."""
     return (
-        bool(group.get("fused"))
-        and group.get("state_dtype") == torch.bfloat16
-        and group.get("stochastic_rounding") is not False
+        fused
+        and state_dtype == torch.bfloat16
+        and stochastic_rounding is not False
         and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
     )
 
 
 def rounding_seed(step: float, index: int) -> int:
-    """The seed of state ``index`` (4 per parameter, by its position in the
-    optimizer) after step ``step``: :func:`qhoptim.rounding.rounding_seed`."""
+    """The seed of state ``index`` (:func:`qhoptim.rounding.state_index`) after
+    step ``step``: :func:`qhoptim.rounding.rounding_seed`."""
     return int(rounding.rounding_seed(int(step) & _MASK32, index & _MASK32))
+
+
+def state_seeds(steps: Sequence[float], positions: Sequence[int]) -> list[list[int]]:
+    """The rounding seeds of each parameter's states (QHM's buffer; QHAdam's two
+    moments and AMSGrad's maximum) in step ``steps[i]`` (the number of the step
+    being taken), the parameter at ``positions[i]`` in its optimizer."""
+    return [
+        [rounding_seed(step, rounding.state_index(position, k)) for k in range(3)]
+        for step, position in zip(steps, positions, strict=True)
+    ]
 
 
 def hash32(seed: int, start: int, stop: int, device: torch.device) -> Tensor:
@@ -149,9 +167,7 @@ def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> No
 def _cpu_kernel() -> Any:
     """The fused CPU extension where it can be had (it is compiled on first use,
     as for ``fused=True``), else None: torch operations round instead."""
-    from qhoptim.torch import _fused
-
-    return _fused._cpu_extension() if _fused.cpu_kernel_available() else None
+    return _extension.cpu_extension() if _extension.cpu_kernel_available() else None
 
 
 # ---------------------------------------------------------------- 8-bit state
@@ -358,3 +374,45 @@ def step_with_narrow_state(
                     quantize_(s, w, signed[k], seeds[i][k], stochastic is not False, a)
                 else:
                     write_back_(s, w, seeds[i][k], stochastic, a)
+
+
+def step_narrow_state(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state_lists: list[list[Tensor]],
+    run: Callable[[Sequence[int], list[Tensor], list[Tensor], list[list[Tensor]], Any], None],
+    *,
+    steps: Sequence[float],
+    positions: Sequence[int],
+    fused: bool,
+    state_dtype: torch.dtype,
+    stochastic_rounding: bool | None,
+    signed: Sequence[bool] = (),
+) -> None:
+    """One step of parameters whose state is stored in the narrower ``state_dtype``.
+
+    ``run(at, params, grads, state_lists, seeds)`` is the functional step of
+    ``params`` (the entries ``at`` of the given lists, repeated for each slice
+    of a large tensor). A bfloat16 state of float32 CPU parameters that the
+    fused kernel can take (:func:`in_fused_kernel`) steps there, in one call,
+    the kernel rounding it with ``seeds`` (:func:`state_seeds` of ``steps``,
+    the number of the step being taken, and ``positions``, each parameter's in
+    its optimizer); any other steps on working copies in the parameters' dtype
+    (:func:`step_with_narrow_state`), ``seeds`` None, written back rounded with
+    the same seeds. ``signed[k]``: whether state ``k`` takes negative values
+    (8-bit state). ``qhoptim.torch``'s optimizers and Keras on torch both step
+    their narrow state here.
+    """
+    seeds = state_seeds(steps, positions)
+    if in_fused_kernel(fused, state_dtype, stochastic_rounding, params):
+        run(range(len(params)), params, grads, state_lists, seeds)
+        return
+
+    def on_working_copies(
+        at: list[int], ps: list[Tensor], gs: list[Tensor], work: list[list[Tensor]]
+    ) -> None:
+        run(at, ps, gs, work, None)
+
+    step_with_narrow_state(
+        params, grads, state_lists, on_working_copies, seeds, stochastic_rounding, signed
+    )

@@ -11,25 +11,28 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from qhoptim.torch._qhadam import QHAdam, QHAdamW
+from qhoptim.torch._qhm import QHM
+
 __all__ = ["register_with_timm"]
 
-# name -> (class name in qhoptim.torch, description, has_momentum, has_betas)
-_ENTRIES = {
+# name -> (class, description, has_momentum, has_betas)
+_ENTRIES: dict[str, tuple[type, str, bool, bool]] = {
     "qhm": (
-        "QHM",
+        QHM,
         "Quasi-hyperbolic momentum: a nu-weighted average of the plain SGD step and "
         "the momentum step (Ma & Yarats, ICLR 2019)",
         True,
         False,
     ),
     "qhadam": (
-        "QHAdam",
+        QHAdam,
         "Quasi-hyperbolic Adam, L2 weight decay added to the gradient (Ma & Yarats, ICLR 2019)",
         False,
         True,
     ),
     "qhadamw": (
-        "QHAdamW",
+        QHAdamW,
         "Quasi-hyperbolic Adam with decoupled (AdamW-style) weight decay",
         False,
         True,
@@ -81,13 +84,11 @@ def register_with_timm(registry: Any = None) -> list[str]:
         # timm's module-level registry: create_optimizer_v2 and list_optimizers
         # read it, and timm has no public function to add to it.
         registry = importlib.import_module("timm.optim._optim_factory").default_registry
-    import qhoptim.torch
-
-    for name, (cls_name, description, has_momentum, has_betas) in _ENTRIES.items():
+    for name, (cls, description, has_momentum, has_betas) in _ENTRIES.items():
         registry.register(
             timm_optim.OptimInfo(
                 name=name,
-                opt_class=getattr(qhoptim.torch, cls_name),
+                opt_class=cls,
                 description=description,
                 has_eps=has_betas,  # QHM has no eps; timm drops one passed to it
                 has_momentum=has_momentum,

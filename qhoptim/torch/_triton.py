@@ -24,13 +24,12 @@ import triton.language as tl
 from torch import Tensor
 
 from qhoptim import rules
-from qhoptim.torch import _kernels
+from qhoptim.torch import _kernels, _tensors
 
 __all__ = ["qhadam_", "qhm_"]
 
 _BLOCK = 1024  # elements per program (H200: 0.91x fused Adam at 1e8 vs 1.17x with 2048)
 _NUM_WARPS = 4
-_FORMS = {rules.Denominator.EXP_AVG_SQ: 0, rules.Denominator.GRAD: 1, rules.Denominator.MIX: 2}
 _TL_DTYPES = {
     torch.float32: tl.float32,
     torch.float64: tl.float64,
@@ -80,38 +79,59 @@ def _lerp(start, end, weight):
 
 
 @triton.jit
-def _qhm_kernel(
-    addrs, numels, block_tensor, block_start, n_tensors, hyper, lr_ptr, scale_ptr, inf_ptr,
-    LR_ON_DEVICE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
-    DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+def _block(addrs, numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK):
+    """This program's block: its tensor's index, the offsets and the mask (none
+    where GradScaler found an inf or NaN: nothing is written)."""
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
     offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
     mask = offs < tl.load(numels + t)
-    if HAS_INF:  # GradScaler found an inf or NaN: nothing is written
+    if HAS_INF:
         mask = mask & (tl.load(inf_ptr) == 0)
-    p_ptr = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
-    g_ptr = tl.load(addrs + n_tensors + t).to(tl.pointer_type(DTYPE))
-    b_ptr = tl.load(addrs + 2 * n_tensors + t).to(tl.pointer_type(DTYPE))
-    # Host scalars, in COMPUTE precision (Python floats would reach Triton as float32).
-    grad_multiplier = tl.load(hyper)
-    coupled_weight_decay = tl.load(hyper + 1)
-    decoupled_weight_decay = tl.load(hyper + 2)
-    grad_to_buffer = tl.load(hyper + 3)
-    buffer_weight = tl.load(hyper + 4)
-    grad_weight = tl.load(hyper + 5)
-    if LR_ON_DEVICE:
-        lr = tl.load(lr_ptr).to(COMPUTE)
-    else:
-        lr = tl.load(hyper + 6)
-    p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
+    return t, offs, mask
+
+
+@triton.jit
+def _address(addrs, n_tensors, t, k, DTYPE):
+    """The address of tensor ``t`` of list ``k`` in the table."""
+    return tl.load(addrs + k * n_tensors + t).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
+               HAS_SCALE, COMPUTE):  # fmt: skip
+    """The gradient as the rule takes it: ``maximize``'s sign, GradScaler's
+    scale taken out, coupled weight decay added."""
     g = tl.load(g_ptr + offs, mask=mask).to(COMPUTE) * grad_multiplier
     if HAS_SCALE:
         g = g / tl.load(scale_ptr).to(COMPUTE)
-    g = g + coupled_weight_decay * p
+    return g + coupled_weight_decay * p
+
+
+@triton.jit
+def _qhm_kernel(
+    addrs, numels, block_tensor, block_start, n_tensors, hyper, folded, scale_ptr, inf_ptr,
+    HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+    DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, offs, mask = _block(addrs, numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
+    p_ptr = _address(addrs, n_tensors, t, 0, DTYPE)
+    g_ptr = _address(addrs, n_tensors, t, 1, DTYPE)
+    b_ptr = _address(addrs, n_tensors, t, 2, DTYPE)
+    # Host scalars, in COMPUTE precision (Python floats would reach Triton as float32).
+    grad_multiplier = tl.load(hyper)
+    coupled_weight_decay = tl.load(hyper + 1)
+    grad_to_buffer = tl.load(hyper + 2)
+    # rules.decoupled_decay_factor and rules.fold_qhm: host numbers, or device
+    # values of a tensor lr.
+    decay = tl.load(folded).to(COMPUTE)
+    buffer_value = tl.load(folded + 1).to(COMPUTE)
+    grad_value = tl.load(folded + 2).to(COMPUTE)
+    p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
+    g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
+                   HAS_SCALE, COMPUTE)  # fmt: skip
     b = _lerp(tl.load(b_ptr + offs, mask=mask).to(COMPUTE), g, grad_to_buffer)
-    p = p * (1 - lr * decoupled_weight_decay) - lr * (buffer_weight * b + grad_weight * g)
+    p = p * decay + buffer_value * b + grad_value * g
     tl.store(b_ptr + offs, b.to(DTYPE), mask=mask)
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
@@ -122,21 +142,17 @@ def _qhadam_kernel(
     FORM: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
     DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor + pid)
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(numels + t)
-    if HAS_INF:  # GradScaler found an inf or NaN: nothing is written
-        mask = mask & (tl.load(inf_ptr) == 0)
-    p_ptr = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
-    g_ptr = tl.load(addrs + n_tensors + t).to(tl.pointer_type(DTYPE))
-    m_ptr = tl.load(addrs + 2 * n_tensors + t).to(tl.pointer_type(DTYPE))
-    s_ptr = tl.load(addrs + 3 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    t, offs, mask = _block(addrs, numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
+    p_ptr = _address(addrs, n_tensors, t, 0, DTYPE)
+    g_ptr = _address(addrs, n_tensors, t, 1, DTYPE)
+    m_ptr = _address(addrs, n_tensors, t, 2, DTYPE)
+    s_ptr = _address(addrs, n_tensors, t, 3, DTYPE)
+    # rules.qhadam_moment_weights
     grad_multiplier = tl.load(hyper)
     coupled_weight_decay = tl.load(hyper + 1)
-    exp_avg_lerp = tl.load(hyper + 2)
-    beta2 = tl.load(hyper + 3)
-    one_minus_beta2 = tl.load(hyper + 4)
+    grad_to_exp_avg = tl.load(hyper + 2)
+    exp_avg_sq_decay = tl.load(hyper + 3)
+    grad_sq_to_exp_avg_sq = tl.load(hyper + 4)
     # One row per tensor: FoldedQHAdam's weights, eps and values, and the decay factor.
     row = coefficients + 6 * t
     exp_avg_sq_weight = tl.load(row).to(COMPUTE)
@@ -146,12 +162,11 @@ def _qhadam_kernel(
     grad_value = tl.load(row + 4).to(COMPUTE)
     decay = tl.load(row + 5).to(COMPUTE)
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
-    g = tl.load(g_ptr + offs, mask=mask).to(COMPUTE) * grad_multiplier
-    if HAS_SCALE:
-        g = g / tl.load(scale_ptr).to(COMPUTE)
-    g = g + coupled_weight_decay * p
-    m = _lerp(tl.load(m_ptr + offs, mask=mask).to(COMPUTE), g, exp_avg_lerp)
-    s = beta2 * tl.load(s_ptr + offs, mask=mask).to(COMPUTE) + one_minus_beta2 * g * g
+    g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
+                   HAS_SCALE, COMPUTE)  # fmt: skip
+    m = _lerp(tl.load(m_ptr + offs, mask=mask).to(COMPUTE), g, grad_to_exp_avg)
+    s = exp_avg_sq_decay * tl.load(s_ptr + offs, mask=mask).to(COMPUTE)
+    s = s + grad_sq_to_exp_avg_sq * g * g
     if FORM == 0:
         base = tl.sqrt(exp_avg_sq_weight * s)
     elif FORM == 1:
@@ -212,7 +227,7 @@ def qhm_(
     params: list[Tensor],
     grads: list[Tensor],
     momentum_buffers: list[Tensor],
-    hp: _kernels.QHMHyperparameters,
+    hp: _tensors.QHMHyperparameters,
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
@@ -223,28 +238,30 @@ def qhm_(
     addrs, numels, block_tensor, block_start = _table([params, grads, momentum_buffers])
     if block_tensor.numel() == 0:  # only empty tensors
         return
-    lr_on_device = isinstance(hp.lr, Tensor)
-    decoupled = hp.weight_decay if hp.decoupled_weight_decay else 0.0
-    hyper = (
-        -1.0 if hp.maximize else 1.0,
-        0.0 if hp.decoupled_weight_decay else hp.weight_decay,
-        decoupled,
-        c.grad_to_buffer,
-        c.buffer_weight,
-        c.grad_weight,
-        0.0 if lr_on_device else float(hp.lr),
-    )
+    coupled = 0.0 if hp.decoupled_weight_decay else hp.weight_decay
+    decay: Any = 1.0
+    if hp.decoupled_weight_decay and hp.weight_decay != 0:
+        decay = rules.decoupled_decay_factor(hp.lr, hp.weight_decay)
+    values = (decay, *rules.fold_qhm(c, hp.lr))
+    if isinstance(hp.lr, Tensor):  # evaluated on the device: nothing is read back
+        like = hp.lr.to(params[0].device, torch.float64 if _is_float64(params) else torch.float32)
+        folded = torch.stack([torch.zeros_like(like) + v for v in values])
+    else:
+        folded = _hyper(values, params[0])
     _qhm_kernel[(block_tensor.numel(),)](
         addrs,
         numels,
         block_tensor,
         block_start,
         len(params),
-        _hyper(hyper, params[0]),
-        hp.lr.to(params[0].device) if lr_on_device else params[0],
-        LR_ON_DEVICE=lr_on_device,
+        _hyper((-1.0 if hp.maximize else 1.0, coupled, c.grad_to_buffer), params[0]),
+        folded,
         **_launch_args(params, grad_scale, found_inf),
     )
+
+
+def _is_float64(params: list[Tensor]) -> bool:
+    return params[0].dtype == torch.float64
 
 
 def qhadam_(
@@ -253,7 +270,7 @@ def qhadam_(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     state_steps: list[Tensor],
-    hp: _kernels.QHAdamHyperparameters,
+    hp: _tensors.QHAdamHyperparameters,
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
@@ -268,6 +285,7 @@ def qhadam_(
     if found_inf is not None:
         torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
     coefficients = _kernels.device_coefficients(state_steps, params[0], hp)
+    w = rules.qhadam_moment_weights(hp.beta1, hp.beta2)
     addrs, numels, block_tensor, block_start = _table([params, grads, exp_avgs, exp_avg_sqs])
     if block_tensor.numel() == 0:  # only empty tensors
         return
@@ -282,12 +300,12 @@ def qhadam_(
             (
                 -1.0 if hp.maximize else 1.0,
                 0.0 if hp.decoupled_weight_decay else hp.weight_decay,
-                1 - hp.beta1,
-                hp.beta2,
-                1 - hp.beta2,
+                w.grad_to_exp_avg,
+                w.exp_avg_sq_decay,
+                w.grad_sq_to_exp_avg_sq,
             ),
             params[0],
         ),
-        FORM=_FORMS[rules.qhadam_denominator(hp.nu2)],
+        FORM=_kernels.DENOMINATOR_FORMS[rules.qhadam_denominator(hp.nu2)],
         **_launch_args(params, grad_scale, found_inf),
     )

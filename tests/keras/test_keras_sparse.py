@@ -157,9 +157,9 @@ def test_sparse_gradients_write_through_the_optimizer_and_match_the_reference(
     if not fit and BACKEND == "torch":  # Keras's generic path: update_step per variable
         from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-        monkeypatch.setattr(
-            qk._QHOptimizer, "_backend_update_step", BaseOptimizer._backend_update_step
-        )
+        from qhoptim.keras._base import QHOptimizer
+
+        monkeypatch.setattr(QHOptimizer, "_backend_update_step", BaseOptimizer._backend_update_step)
     table0 = np.linspace(-1.0, 1.0, SHAPE[0] * SHAPE[1]).reshape(SHAPE)
     variable = keras.Variable(table0, dtype=EXACT_DTYPE, name="table")
     optimizer = make()

@@ -291,7 +291,9 @@ def test_torch_multi_tensor_step_equals_per_variable_step(
     # kernels group by dtype themselves) and one for the excluded bias.
     assert calls == [2, 1] * 12, calls
     calls.clear()
-    monkeypatch.setattr(qk._QHOptimizer, "_backend_update_step", BaseOptimizer._backend_update_step)
+    from qhoptim.keras._base import QHOptimizer
+
+    monkeypatch.setattr(QHOptimizer, "_backend_update_step", BaseOptimizer._backend_update_step)
     generic = _apply_mixed(make(weight_decay=0.1), 12)
     assert not calls
     for a, b, rtol in zip(fast, generic, (1e-13, 1e-13, 1e-6), strict=True):

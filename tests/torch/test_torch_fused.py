@@ -294,13 +294,13 @@ def test_fused_qhadam_keeps_its_step_count_on_the_param_device_as_float32() -> N
 def test_missing_compiler_or_ninja_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.utils import cpp_extension
 
-    from qhoptim.torch import _fused
+    from qhoptim.torch import _extension
 
     def no_ninja() -> None:
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    _fused._cpu_extension.cache_clear()
-    monkeypatch.setattr(_fused.shutil, "which", lambda name: None)
+    _extension.cpu_extension.cache_clear()
+    monkeypatch.setattr(_extension.shutil, "which", lambda name: None)
     monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
     params = _params()
     opt = QHAdam(params, fused=True)
@@ -309,23 +309,23 @@ def test_missing_compiler_or_ninja_is_a_clear_error(monkeypatch: pytest.MonkeyPa
     with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler .* and ninja") as info:
         opt.step()
     assert "fused=False" in str(info.value)
-    _fused._cpu_extension.cache_clear()  # built (or loaded from disk) again when next needed
+    _extension.cpu_extension.cache_clear()  # built (or loaded from disk) again when next needed
 
 
 def test_changing_lr_never_rebuilds_the_kernel() -> None:
     # The per-step scalars (lr, bias corrections) are arguments of the
     # compiled kernel, never part of what is compiled: one build for every step.
-    from qhoptim.torch import _fused
+    from qhoptim.torch import _extension
 
     params = _params(F32)
     opt = QHAdam(params, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.9**t)
-    _fused._cpu_extension()  # built or loaded once
-    before = _fused._cpu_extension.cache_info()
+    _extension.cpu_extension()  # built or loaded once
+    before = _extension.cpu_extension.cache_info()
     for _ in range(20):
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
         scheduler.step()
-    after = _fused._cpu_extension.cache_info()
+    after = _extension.cpu_extension.cache_info()
     assert after.misses == before.misses and after.hits == before.hits + 20

@@ -7,7 +7,7 @@ torch name -- imported (``from torch.optim.optimizer import _get_value``,
 ``Optimizer._group_tensors_by_device_and_dtype``), or a private attribute that
 torch's optimizers and tensors have (``self._optimizer_step_pre_hooks``) -- must
 be in :data:`ALLOWED`, which mirrors the comment block in
-``qhoptim/torch/_optimizer.py``; and each allowed name must still be used, so
+``qhoptim/torch/_tensors.py``; and each allowed name must still be used, so
 that the list stays short and true. The second half checks that qhoptim's own
 equivalents of torch's private helpers agree with them, where torch has them.
 """
@@ -28,9 +28,9 @@ import torch.optim.optimizer as torch_optimizer
 
 import qhoptim
 import qhoptim.torch
-from qhoptim.torch import _optimizer
+from qhoptim.torch import _tensors
 
-# Every private torch name qhoptim.torch may use, and why (see _optimizer.py).
+# Every private torch name qhoptim.torch may use, and why (see _tensors.py).
 _FOREACH = "torch's multi-tensor ops: documented (beta) under this spelling only"
 ALLOWED: dict[str, str] = {
     "torch.optim.optimizer.Optimizer._group_tensors_by_device_and_dtype": (
@@ -62,8 +62,11 @@ ALLOWED: dict[str, str] = {
     },
 }
 
-# Where the private names other than the foreach ops may appear: one place.
-_ONE_PLACE = "_optimizer.py"
+# Where the private names other than the foreach ops may appear: the two modules
+# that wrap torch.optim, the bottom layer (tensor lists; the allowlist's comment
+# is there) and the optimizer base class (attributes of torch's Optimizer).
+_LIST_PLACE = "_tensors.py"
+_PLACES = frozenset({_LIST_PLACE, "_optimizer.py"})
 
 _PACKAGE = Path(qhoptim.torch.__file__).parent
 SOURCES = [*sorted(_PACKAGE.glob("*.py")), Path(qhoptim.__file__).parent / "pyt.py"]
@@ -190,7 +193,7 @@ def _uses() -> dict[str, set[str]]:
 
 def test_the_sources_are_found() -> None:
     names = {p.name for p in SOURCES}
-    assert {"_optimizer.py", "_qhm.py", "_qhadam.py", "_kernels.py", "_fused.py"} <= names
+    assert {"_tensors.py", "_optimizer.py", "_qhm.py", "_qhadam.py", "_kernels.py"} <= names
     assert "pyt.py" in names
 
 
@@ -199,26 +202,26 @@ def test_only_listed_private_torch_names_are_used() -> None:
     unlisted = {name: sorted(files) for name, files in uses.items() if name not in ALLOWED}
     assert not unlisted, (
         "qhoptim.torch uses private torch names that are not listed; use public API, or "
-        f"write qhoptim's own equivalent in _optimizer.py: {unlisted}"
+        f"write qhoptim's own equivalent in _tensors.py: {unlisted}"
     )
 
 
 def test_every_listed_private_name_is_still_used() -> None:
     unused = sorted(set(ALLOWED) - set(_uses()))
-    assert not unused, f"no longer used; drop them from ALLOWED and _optimizer.py: {unused}"
+    assert not unused, f"no longer used; drop them from ALLOWED and _tensors.py: {unused}"
 
 
-def test_private_names_other_than_foreach_ops_are_reached_in_one_place() -> None:
+def test_private_names_other_than_foreach_ops_are_reached_in_their_two_places() -> None:
     elsewhere = {
-        name: sorted(files - {_ONE_PLACE})
+        name: sorted(files - _PLACES)
         for name, files in _uses().items()
-        if not name.startswith("torch._foreach_") and files - {_ONE_PLACE}
+        if not name.startswith("torch._foreach_") and files - _PLACES
     }
-    assert not elsewhere, f"reach these through {_ONE_PLACE}: {elsewhere}"
+    assert not elsewhere, f"reach these through {sorted(_PLACES)}: {elsewhere}"
 
 
-def test_the_allowlist_is_the_one_in_the_optimizer_module_comment() -> None:
-    text = (_PACKAGE / _ONE_PLACE).read_text(encoding="utf-8")
+def test_the_allowlist_is_the_one_in_the_bottom_layers_comment() -> None:
+    text = (_PACKAGE / _LIST_PLACE).read_text(encoding="utf-8")
     for name in ALLOWED:
         if name.startswith("torch._foreach_"):
             name = "torch._foreach_*"
@@ -285,7 +288,7 @@ def _torch_helper(name: str) -> object:
 )
 def test_scalar_lr_is_torchs_to_scalar(lr: object) -> None:
     to_scalar = _torch_helper("_to_scalar")
-    got, want = _optimizer.scalar_lr(lr), to_scalar(lr)  # type: ignore[operator]
+    got, want = _tensors.scalar_lr(lr), to_scalar(lr)  # type: ignore[operator]
     assert type(got) is type(want)
     if isinstance(want, torch.Tensor):
         assert got.shape == want.shape and torch.equal(got, want)
@@ -299,7 +302,7 @@ def test_value_of_is_torchs_get_value(x: object) -> None:
     get_value = _torch_helper("_get_value")
     if not isinstance(x, torch.Tensor) and _TORCH_VERSION < (2, 4):
         pytest.skip("torch < 2.4's _get_value calls .item() on Python numbers too")
-    got, want = _optimizer.value_of(x), get_value(x)  # type: ignore[operator]
+    got, want = _tensors.value_of(x), get_value(x)  # type: ignore[operator]
     assert type(got) is type(want) and got == want
 
 
@@ -309,7 +312,7 @@ def test_scalar_dtype_is_torchs_get_scalar_dtype(default: torch.dtype) -> None:
     before = torch.get_default_dtype()
     torch.set_default_dtype(default)
     try:
-        assert _optimizer.scalar_dtype() == get_scalar_dtype()  # type: ignore[operator]
+        assert _tensors.scalar_dtype() == get_scalar_dtype()  # type: ignore[operator]
     finally:
         torch.set_default_dtype(before)
 
@@ -349,7 +352,7 @@ def _cases() -> list[tuple[str, list[torch.Tensor]]]:
 def test_default_foreach_is_unchanged(
     name: str, params: list[torch.Tensor], differentiable: bool
 ) -> None:
-    assert _optimizer.default_foreach(params, differentiable) is _torch_default(
+    assert _tensors.default_foreach(params, differentiable) is _torch_default(
         params, differentiable
     )
 
@@ -365,7 +368,7 @@ def test_foreach_devices_are_torchs(device_type: str) -> None:
         pytest.skip("this torch has no _get_foreach_kernels_supported_devices")
     if device_type == "mtia" and "mtia" not in supported():
         pytest.skip("this torch predates multi-tensor kernels on MTIA (qhoptim follows 2.13)")
-    assert _optimizer._is_foreach_device(device_type) is (device_type in supported())
+    assert _tensors._is_foreach_device(device_type) is (device_type in supported())
 
 
 def test_foreach_types_are_torchs() -> None:
@@ -375,12 +378,12 @@ def test_foreach_types_are_torchs() -> None:
     supported = getattr(torch_optimizer, "_foreach_supported_types", None)
     if supported is None:
         pytest.skip("this torch has no torch.optim.optimizer._foreach_supported_types")
-    assert all(_optimizer._is_foreach_type(cls) for cls in supported)
+    assert all(_tensors._is_foreach_type(cls) for cls in supported)
     assert {cls.__name__ for cls in supported} >= {"Tensor", "Parameter"}
     impostor = type("DTensor", (torch.Tensor,), {"__module__": "elsewhere"})
     for cls in (_Subclass, impostor, torch.nn.parameter.UninitializedParameter, int):
         assert cls not in supported
-        assert not _optimizer._is_foreach_type(cls)
+        assert not _tensors._is_foreach_type(cls)
 
 
 def test_a_renamed_privateuse1_backend_is_a_foreach_device() -> None:
@@ -388,12 +391,12 @@ def test_a_renamed_privateuse1_backend_is_a_foreach_device() -> None:
     code = """
         import torch
         from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-        from qhoptim.torch import _optimizer
+        from qhoptim.torch import _tensors
 
         torch.utils.rename_privateuse1_backend("qhtestdev")
         assert "qhtestdev" in _get_foreach_kernels_supported_devices()
-        assert _optimizer._is_foreach_device("qhtestdev")
-        assert not _optimizer._is_foreach_device("privateuseone")
+        assert _tensors._is_foreach_device("qhtestdev")
+        assert not _tensors._is_foreach_device("privateuseone")
     """
     root = str(Path(qhoptim.__file__).parent.parent)
     result = subprocess.run(

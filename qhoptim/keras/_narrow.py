@@ -1,0 +1,119 @@
+"""Slots stored narrower than their variables (``state_dtype``) in :mod:`qhoptim.keras`.
+
+The step reads the slots in the variable's dtype, runs the rule there, and
+stores the new slots back, bfloat16 rounded stochastically with
+:mod:`qhoptim.rounding`'s rule (the bits every backend stores).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import keras
+from keras import ops
+
+from qhoptim import rounding
+from qhoptim.keras._settings import BACKEND
+
+# Unsigned 32-bit arithmetic of the TensorFlow and JAX backends (their uint32
+# tensors wrap); constants are made as uint32 tensors, which JAX requires above
+# 2**31 - 1. On torch, the rounding is qhoptim.torch's (Python-int seeds).
+_BITS = rounding.Bits(
+    const=lambda c: ops.convert_to_tensor(c, "uint32"),
+    shift=lambda x, n: ops.right_shift(x, ops.convert_to_tensor(n, "uint32")),
+)
+
+
+def state_dtype_name(state_dtype: Any) -> str | None:
+    """Keras's name of ``state_dtype`` (``"bfloat16"``, ...), None if it names no dtype."""
+    try:
+        return str(keras.backend.standardize_dtype(state_dtype))
+    except (ValueError, TypeError):
+        return None
+
+
+def itemsize(name: str) -> int:
+    """Bytes per value of the dtype Keras names ``name`` (``"bfloat16"``: 2)."""
+    digits = "".join(c for c in name if c.isdigit())
+    return int(digits) // 8 if digits else 1
+
+
+def _state_seed(iterations: Any, first: Any, k: int) -> Any:
+    """The rounding seed (:func:`qhoptim.rounding.rounding_seed`) of state
+    ``first + k`` in the step after ``iterations`` -- a Python int on torch
+    (eager), a uint32 tensor on TensorFlow and JAX (traced)."""
+    if BACKEND == "torch":
+        return rounding.rounding_seed((int(iterations) + 1) & rounding.MASK32, int(first) + k)
+    step = ops.cast(iterations, "uint32") + _BITS.const(1)
+    return rounding.rounding_seed(step, first + _BITS.const(k), _BITS)
+
+
+def _bitcast(x: Any, dtype: str) -> Any:
+    """``x``'s bits as ``dtype`` (of the same width); ``keras.ops.view`` is newer
+    than Keras 3.10."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.lax.bitcast_convert_type(x, dtype)
+    return ops.view(x, dtype)
+
+
+def _store(value: Any, dtype: str, seed: Any) -> Any:
+    """A step's new state in the slot's ``dtype``: with a ``seed``, rounded to
+    bfloat16 stochastically (:mod:`qhoptim.rounding`), else cast (to nearest)."""
+    if seed is None:
+        return ops.cast(value, dtype)
+    if BACKEND == "torch":
+        import torch
+
+        from qhoptim.torch import _state_dtype
+
+        out = torch.empty(value.shape, dtype=torch.bfloat16, device=value.device)
+        _state_dtype.stochastic_round_(out, value, seed)
+        return out
+    x = ops.cast(value, "float32")
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        # Its step is traced for shapes unknown until XLA compiles it (Keras's
+        # ops want a known rank), and XLA has no uint32 range.
+        positions = tf.reshape(tf.cast(tf.range(tf.size(x)), tf.uint32), tf.shape(x))
+        bitcast = tf.bitcast
+    else:
+        positions = ops.reshape(ops.arange(ops.size(x), dtype="uint32"), ops.shape(x))
+        bitcast = _bitcast
+    noise = rounding.noise16(positions, seed, _BITS)
+    bits = rounding.round_bits(bitcast(x, "uint32"), noise, _BITS)
+    return ops.cast(bitcast(bits, "float32"), "bfloat16")
+
+
+@functools.cache
+def with_narrow_state(step: Any) -> Any:
+    """``step`` for slots stored narrower than their variable: the slots are
+    read in the variable's dtype, the rule runs there, and the new slots are
+    stored back (:func:`_store`), the ``k``-th rounded with the seed of state
+    ``inputs["state_index"] + k`` (:func:`qhoptim.rounding.state_index`) in the
+    step after ``inputs["iterations"]``. One function per rule, so that
+    compiled steps are reused."""
+
+    def narrow_step(
+        inputs: dict[str, Any],
+        slots: dict[str, Any],
+        param: Any,
+        *,
+        state_dtype: str,
+        stochastic: bool,
+        **hparams: Any,
+    ) -> tuple[dict[str, Any], Any]:
+        working = {name: ops.cast(s, param.dtype) for name, s in slots.items()}
+        new_slots, new_param = step(inputs, working, param, **hparams)
+        stored = {}
+        for k, (name, value) in enumerate(new_slots.items()):
+            seed = None
+            if stochastic:
+                seed = _state_seed(inputs["iterations"], inputs["state_index"], k)
+            stored[name] = _store(value, state_dtype, seed)
+        return stored, new_param
+
+    return narrow_step

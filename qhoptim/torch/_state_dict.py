@@ -1,0 +1,166 @@
+"""Checks of the state dicts a QH optimizer loads, and casts of loaded state.
+
+``QHOptimizer.load_state_dict`` refuses a state dict that does not fit the
+optimizer -- another optimizer's, wrong shapes, missing keys -- before anything
+is loaded (:func:`check_state_dict`); :func:`cast_complex_state` gives a complex
+parameter's loaded state its precision. Imports the narrow-state layer (an
+8-bit state's packed size) and nothing above it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qhoptim.torch import _state_dtype
+
+
+def cast_complex_state(param: Tensor, state: dict[str, Any]) -> None:
+    """Cast a complex parameter's loaded state to its precision.
+
+    torch's ``load_state_dict`` casts state only for floating-point parameters;
+    for a complex one it would keep, e.g., complex128 moments for a complex64
+    parameter (and the foreach kernels would then refuse the mix).
+    """
+    if not param.is_complex():
+        return
+    for key, value in state.items():
+        if key != "step" and torch.is_tensor(value):
+            state[key] = value.to(param.dtype if value.is_complex() else param.real.dtype)
+
+
+def _check_param_state(
+    what: str,
+    key: Any,
+    param: Tensor,
+    p_state: Any,
+    allowed: tuple[frozenset[str], ...],
+    *,
+    packed: bool = False,
+) -> None:
+    """One parameter's saved state: the optimizer's keys, tensors that fit the parameter.
+
+    Keys that are none of the optimizer's are another component's and pass
+    unchecked, as ``torch.optim`` keeps them: timm's ``Lookahead`` and
+    similar wrappers store their own buffers in the wrapped optimizer's state.
+    They are accepted only beside a complete layout of the optimizer's own keys,
+    so that another optimizer's state (SGD's ``momentum_buffer`` in QHAdam) is
+    still refused. ``packed``: the state is 8-bit, one flat tensor of
+    :func:`qhoptim.torch._state_dtype.packed_numel` values per state.
+    """
+    if not isinstance(p_state, dict):
+        raise TypeError(
+            f"{what}: the state of parameter {key!r} is a {type(p_state).__name__}, not a dict"
+        )
+    own = frozenset().union(*allowed)
+    keys = frozenset(p_state) & own
+    if keys not in allowed or (not keys and p_state):
+        want = " or ".join(str(sorted(a)) for a in allowed if a)
+        raise ValueError(
+            f"{what}: the state of parameter {key!r} has keys {sorted(p_state)}, expected "
+            f"{want}; is this the state dict of another optimizer?"
+        )
+    for name in sorted(keys):
+        value = p_state[name]
+        if name in ("step", "beta1_weight", "beta2_weight"):
+            number = value
+            if torch.is_tensor(value):
+                if value.numel() != 1 or value.is_complex():
+                    raise ValueError(
+                        f"{what}: {name} of parameter {key!r} must be a real number or a "
+                        f"1-element tensor; received a tensor of shape {tuple(value.shape)}"
+                    )
+                number = value.item()
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise TypeError(
+                    f"{what}: {name} of parameter {key!r} must be a number; received {value!r}"
+                )
+            if not (math.isfinite(number) and number >= 0):
+                raise ValueError(
+                    f"{what}: {name} of parameter {key!r} must be in [0, inf); received {number!r}"
+                )
+            continue
+        if not torch.is_tensor(value):
+            raise TypeError(
+                f"{what}: {name} of parameter {key!r} must be a tensor; "
+                f"received {type(value).__name__}"
+            )
+        if packed:
+            packed_shape = (_state_dtype.packed_numel(param.numel()),)
+            if tuple(value.shape) != packed_shape or value.is_complex():
+                raise ValueError(
+                    f"{what}: {name} of parameter {key!r} has shape {tuple(value.shape)}; "
+                    f"the 8-bit state of a parameter of {param.numel()} values has "
+                    f"{packed_shape}"
+                )
+            continue
+        if value.shape != param.shape:
+            raise ValueError(
+                f"{what}: {name} of parameter {key!r} has shape {tuple(value.shape)}, "
+                f"the parameter {tuple(param.shape)}"
+            )
+        # |g|^2 is real, and so are the second moment and its running maximum.
+        complex_ok = param.is_complex() and name not in ("exp_avg_sq", "max_exp_avg_sq")
+        if not (value.is_floating_point() or (value.is_complex() and complex_ok)) or (
+            complex_ok and not value.is_complex()
+        ):
+            raise ValueError(
+                f"{what}: {name} of parameter {key!r} has dtype {value.dtype}, which cannot "
+                f"hold the state of a {param.dtype} parameter"
+            )
+
+
+def check_state_dict(optimizer: Any, state_dict: Any) -> None:
+    """Refuse a state dict that does not fit ``optimizer`` (a ``QHOptimizer``):
+    ``TypeError`` or ``ValueError`` naming what is wrong, before anything is loaded.
+
+    Its param groups must match the optimizer's in number and size and hold
+    valid hyperparameters (the optimizer's ``_check_group``), and each
+    parameter's state must have the optimizer's keys (``_STATE_KEYS``), with
+    tensors of the parameter's shape (8-bit state: its packed size) and a
+    floating-point dtype.
+    """
+    name = type(optimizer).__name__
+    what = f"{name}.load_state_dict"
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        keys = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else None
+        raise TypeError(
+            f"{what} expects a dict with 'state' and 'param_groups' (from state_dict()); "
+            f"received {type(state_dict).__name__}" + (f" with keys {keys}" if keys else "")
+        )
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"{what}: the state dict has {len(saved_groups)} param groups, "
+            f"this optimizer {len(optimizer.param_groups)}"
+        )
+    params: dict[Any, Tensor] = {}
+    packed: set[Any] = set()  # the ids of parameters whose state is 8-bit
+    for i, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"{what}: param group {i} of the state dict has {len(saved['params'])} "
+                f"parameters, this optimizer's {len(group['params'])}"
+            )
+        missing = [k for k in optimizer._GROUP_KEYS if k not in saved]
+        if missing:
+            raise ValueError(
+                f"{what}: param group {i} lacks {missing}; is this the state dict "
+                f"of another optimizer? {name} needs {list(optimizer._GROUP_KEYS)}"
+            )
+        optimizer._check_group({**optimizer.defaults, **saved})
+        params.update(zip(saved["params"], group["params"], strict=True))
+        if _state_dtype.eight_bit(saved.get("state_dtype")):
+            packed.update(saved["params"])
+    for key, p_state in state_dict["state"].items():
+        if key not in params:
+            raise ValueError(
+                f"{what}: the state dict has state for parameter {key!r}, "
+                "which none of its param groups lists"
+            )
+        _check_param_state(
+            what, key, params[key], p_state, optimizer._STATE_KEYS, packed=key in packed
+        )
