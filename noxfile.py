@@ -8,6 +8,9 @@ Sessions (``nox -l`` lists them; ``nox`` runs all but ``demo``):
   lint         ruff (lint + format check) and mypy --strict on the core
                (each backend's session type-checks its module)
   torch        qhoptim.torch: its tests and its conformance rows
+  triton       qhoptim.torch's fused CUDA (Triton) kernels on CPU, through
+               Triton's interpreter (TRITON_INTERPRET=1): the fused tests and
+               the torch-triton conformance rows
   optax        qhoptim.optax: its tests, doctests, example and conformance rows,
                on Python 3.11 and 3.13
   keras        qhoptim.keras, once per Keras backend (tensorflow, jax, torch),
@@ -58,7 +61,7 @@ BACKEND_TESTS = (
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
 nox.options.sessions = [
-    "lint", "tests", "conformance", "torch", "optax", "keras", "mlx", "distributed",
+    "lint", "tests", "conformance", "torch", "triton", "optax", "keras", "mlx", "distributed",
     "integrations", "lowest", "sweep", "docs",
 ]  # fmt: skip
 # nox's own default: a missing interpreter fails the run under CI (CI is set)
@@ -201,6 +204,26 @@ def torch(session: nox.Session) -> None:
     _typecheck(session, "qhoptim/torch")
     _pytest(session, "tests/torch", "tests/test_packaging.py")
     _conformance(session, "torch", "torch-foreach", "torch-fused", table="torch")
+
+
+@nox.session(python=PYTHON)
+@timed
+def triton(session: nox.Session) -> None:
+    # fused=True's CUDA (Triton) kernels on CPU tensors, through Triton's
+    # interpreter: the fused tests (those that need a GPU deselected by name)
+    # and the torch-triton conformance rows. A skip fails here.
+    _install(session, "test,torch")
+    session.install("triton", *CONSTRAINTS)
+    env = {"TRITON_INTERPRET": "1", "QHOPTIM_REQUIRE_ALL": "1"}
+    _pytest(
+        session,
+        "tests/torch/test_torch_fused.py",
+        "tests/torch/test_torch_triton.py",
+        "-k",
+        "not cuda",
+        env=env,
+    )
+    _conformance(session, "torch-triton", table="torch-triton", env=env)
 
 
 @nox.session(python=PYTHONS_CORE)

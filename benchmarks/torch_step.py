@@ -5,11 +5,20 @@ Usage::
     python -m benchmarks.torch_step [--steps 30] [--warmup 5] [--qhoptim-110 DIR]
                                     [--shapes resnet18 small] [--device cpu] [--threads N]
     python -m benchmarks.torch_step --scale [--sizes 1e6 1e7 1e8] [--device cpu]
+    python -m benchmarks.torch_step --host-only [--steps 200]
 
 ``--scale`` times the fused steps on one flat tensor of each size instead, with
 the bandwidth each achieves (the bytes a step must move -- 20 per float32
 parameter for SGD-Nesterov and QHM, 28 for Adam and QHAdam -- over its time)
 beside a plain copy's (8 bytes per element), measured in the same interleaved run.
+
+``--host-only`` times the host's share of the fused CUDA step on CPU: the
+Triton path runs on CPU tensors (``TRITON_INTERPRET=1``) with its one launch
+replaced by a no-op, on 62 and on 500 tensors of 4 values, against torch's
+``Adam(fused=True)`` and ``SGD(fused=True)`` on the same tiny CPU tensors (their
+host work and a kernel of negligible size); it also counts the operations a
+step issues on the parameters' device (each launch, and each torch operation on
+a tensor of one or more dimensions; the step counts are 0-d and live on the host).
 
 Two parameter sets (``benchmarks/shapes.py``): the 62 tensors of torchvision's
 ResNet-18 (11,689,512 float32 values) and 500 tensors of 1,000 values. For each
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -97,6 +107,12 @@ def candidates(
 
         c["torch Adam capturable foreach"] = lambda p: torch.optim.Adam(
             p, lr=lr(1e-3), capturable=True, foreach=True
+        )
+        c["torch Adam capturable fused"] = lambda p: torch.optim.Adam(
+            p, lr=lr(1e-3), capturable=True, fused=True
+        )
+        c["QHAdam capturable fused"] = lambda p: QHAdam(
+            p, **{**QHADAM_KW, "lr": lr(1e-3)}, capturable=True, fused=True
         )
         for impl, foreach in (("loop", False), ("foreach", True)):
             c[f"QHM capturable {impl}"] = lambda p, f=foreach: QHM(
@@ -184,9 +200,10 @@ def report(shape_name: str, ms: dict[str, float]) -> list[str]:
             faster = "loop" if ms[f"{opt} loop"] < ms[f"{opt} foreach"] else "foreach"
             lines.append(f"{opt}: faster implementation here: {faster}")
     lines += fused_ratios(ms)
-    if "torch Adam capturable foreach" in ms and "QHAdam capturable foreach" in ms:
-        ratio = ms["QHAdam capturable foreach"] / ms["torch Adam capturable foreach"]
-        lines.append(f"QHAdam capturable foreach / torch Adam capturable foreach = {ratio:.2f}x")
+    for impl in ("foreach", "fused"):
+        qh, base = f"QHAdam capturable {impl}", f"torch Adam capturable {impl}"
+        if qh in ms and base in ms:
+            lines.append(f"{qh} / {base} = {ms[qh] / ms[base]:.2f}x (target <= 1.00x)")
     return lines
 
 
@@ -224,6 +241,8 @@ _BYTES = {
     "torch Adam fused": 28,
     "QHAdam fused": 28,
     "QHAdam nu2<1 fused": 28,
+    "torch Adam capturable fused": 28,
+    "QHAdam capturable fused": 28,
 }
 
 
@@ -242,6 +261,64 @@ def scale(sizes: list[int], *, steps: int, warmup: int, device: str) -> None:
         print("\n" + "\n".join(fused_ratios(ms)), flush=True)
 
 
+def host_only(*, steps: int, warmup: int) -> None:
+    """The fused CUDA step's host work, its launch stubbed, against torch's fused steps."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qhoptim.torch import _triton
+
+    launches: list[int] = []
+    _triton._launch = lambda *args, **kwargs: launches.append(1)  # type: ignore[assignment]
+
+    class DeviceOps(TorchDispatchMode):
+        """Counts torch operations on tensors of one or more dimensions."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x])]
+            if any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in flat):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    sgd = {"lr": 0.1, "momentum": 0.9, "nesterov": True}
+    makers: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+        "torch SGD-nesterov fused": lambda p: torch.optim.SGD(p, **sgd, fused=True),
+        "torch Adam fused": lambda p: torch.optim.Adam(p, fused=True),
+        "QHM fused (host only)": lambda p: QHM(p, **QHM_KW, fused=True),
+        "QHAdam fused (host only)": lambda p: QHAdam(p, **QHADAM_KW, fused=True),
+        "QHAdam nu2<1 fused (host only)": lambda p: QHAdam(p, **QHADAM_NU2_KW, fused=True),
+    }
+    for n in (62, 500):
+        ms = time_steps(makers, [(4,)] * n, steps=steps, warmup=warmup, device="cpu")
+        print(f"\n### {n} tensors of 4 values: host work per step\n")
+        print("| step | us/step | device operations per step |\n|---|---:|---:|")
+        for name, make in makers.items():
+            ops = ""
+            if "host only" in name:
+                params = [torch.zeros(4, requires_grad=True) for _ in range(n)]
+                for p in params:
+                    p.grad = torch.ones(4)
+                opt = make(params)
+                opt.step()
+                launches.clear()
+                with DeviceOps() as counted:
+                    opt.step()
+                ops = str(len(launches) + counted.count)
+            print(f"| {name} | {1e3 * ms[name]:.0f} | {ops} |")
+        print()
+        for qh, base in (
+            ("QHM fused (host only)", "torch SGD-nesterov fused"),
+            ("QHAdam fused (host only)", "torch Adam fused"),
+            ("QHAdam nu2<1 fused (host only)", "torch Adam fused"),
+        ):
+            print(f"{qh} / {base} = {ms[qh] / ms[base]:.2f}x (target <= 1.00x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -253,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", help="time only optimizers whose name contains one")
     parser.add_argument("--scale", action="store_true", help="fused steps on flat tensors")
     parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 1e8])
+    parser.add_argument(
+        "--host-only", action="store_true", help="the fused CUDA step's host work, on CPU"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -267,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, "
         f"median of {args.steps} interleaved steps after {args.warmup} warm-up steps"
     )
+    if args.host_only:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: CPU tensors take it
+        host_only(steps=args.steps, warmup=args.warmup)
+        return 0
     if args.scale:
         sizes = [int(s) for s in args.sizes]
         scale(sizes, steps=args.steps, warmup=args.warmup, device=args.device)

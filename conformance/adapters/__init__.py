@@ -34,6 +34,7 @@ REGISTRY: dict[str, str] = {
     "torch": "conformance.adapters.torch:TorchAdapter",
     "torch-foreach": "conformance.adapters.torch:TorchForeachAdapter",
     "torch-fused": "conformance.adapters.torch:TorchFusedAdapter",
+    "torch-triton": "conformance.adapters.torch:TorchTritonAdapter",
     "optax": "conformance.adapters.optax:OptaxAdapter",
     "keras": "conformance.adapters.keras:KerasAdapter",
     "mlx": "conformance.adapters.mlx:MLXAdapter",

@@ -2,9 +2,11 @@
 
 ``TorchAdapter`` takes the per-tensor implementation (``foreach=False``),
 ``TorchForeachAdapter`` the multi-tensor one (``foreach=True``) and
-``TorchFusedAdapter`` the fused one (``fused=True``); all run in float32 and
-float64. Each step writes the case's learning rate into the param
-group (as an lr scheduler does), sets ``p.grad`` and calls ``optimizer.step()``.
+``TorchFusedAdapter`` the fused one (``fused=True``) and ``TorchTritonAdapter``
+the fused one through the CUDA (Triton) kernels, on CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``); all run in float32 and float64. Each
+step writes the case's learning rate into the param group (as an lr scheduler
+does), sets ``p.grad`` and calls ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 from ..cases import Case
 from . import closed_loop
 
-__all__ = ["TorchAdapter", "TorchForeachAdapter", "TorchFusedAdapter"]
+__all__ = ["TorchAdapter", "TorchForeachAdapter", "TorchFusedAdapter", "TorchTritonAdapter"]
 
 
 def _optimizer(case: Case, params: list[Any], implementation: dict[str, bool]) -> Any:
@@ -95,3 +97,20 @@ class TorchForeachAdapter(TorchAdapter):
 class TorchFusedAdapter(TorchAdapter):
     name = "torch-fused"
     implementation = {"fused": True}  # noqa: RUF012
+
+
+class TorchTritonAdapter(TorchAdapter):
+    """``fused=True`` on CPU tensors under ``TRITON_INTERPRET=1``: the Triton kernels
+    that CUDA tensors step in, run by Triton's interpreter (NumPy, on CPU)."""
+
+    name = "torch-triton"
+    implementation = {"fused": True}  # noqa: RUF012
+
+    def available(self) -> bool:
+        import importlib.util
+        import os
+
+        interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+        return (
+            interpreting and importlib.util.find_spec("triton") is not None and super().available()
+        )

@@ -2,6 +2,7 @@
 
     python docs/_ext/figures.py analysis OUTDIR      # qhoptim.analysis figures
     python docs/_ext/figures.py trajectories OUTDIR RUNSDIR  # one case, every backend
+    python docs/_ext/figures.py benchmarks OUTDIR BENCHDIR   # each recorded benchmark's ratios
 
 Run by ``docs/_ext/qhdocs.py`` in subprocesses. The trajectories come from the
 ``trajectory-*.npz`` files that ``conformance_job.py`` saved in RUNSDIR (each
@@ -12,6 +13,7 @@ the trajectories, a JSON sidecar with the plotted backends' deviations.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -280,10 +282,85 @@ def trajectories(out: Path, runs_dir: Path) -> None:
     (out / "trajectories.json").write_text(json.dumps(meta, indent=1, default=str))
 
 
+# ---------------------------------------------------------------- benchmarks
+# A recorded run's ratios, in the two forms the benchmarks print: a line
+# "QHAdam fused / torch Adam fused = 0.86x (target ...)", under a "### case"
+# heading; or a table whose last column is "ratio" (qhoptim / the baseline).
+_RATIO_LINE = re.compile(r"^(?P<qh>.+?) / (?P<base>.+?) = (?P<ratio>[0-9.]+)x")
+
+
+def benchmark_ratios(text: str) -> list[tuple[str, str, float]]:
+    """``(case, "qhoptim vs baseline", ratio)`` for every ratio ``text`` records."""
+    found: list[tuple[str, str, float]] = []
+    case, header = "", None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            case = line[4:].split(":")[0].strip()
+            continue
+        match = _RATIO_LINE.match(line)
+        if match:
+            found.append((case, f"{match['qh']} vs {match['base']}", float(match["ratio"])))
+            continue
+        words = line.split()
+        if words and words[-1] == "ratio":
+            header = words
+            continue
+        if header and len(words) == len(header):
+            row = dict(zip(header, words, strict=True))
+            try:
+                ratio = float(row["ratio"])
+            except ValueError:
+                continue
+            keys = [w for w in header if w not in ("ms", "ratio", "baseline", "optimizer")]
+            label = f"{row.get('optimizer', '?')} vs {row.get('baseline', '?')}"
+            found.append((" ".join(row[k] for k in keys), label, ratio))
+        elif not words:
+            header = None
+    return found
+
+
+def _device(text: str) -> str:
+    """The machine a recorded file names in its header ("GPU ..." where it has one)."""
+    for line in text.splitlines()[:3]:
+        if line.startswith("# recorded"):
+            gpu = re.search(r"GPU ([^,]+)", line)
+            cpu = re.search(r" on ([^,]+),", line)
+            return f"GPU {gpu[1]}" if gpu else (cpu[1] if cpu else "")
+    return ""
+
+
+def benchmarks(out: Path, recorded: Path) -> None:
+    """One figure per recorded run with ratios: each ratio a bar, the 1.0 line marked."""
+    for f in sorted(recorded.glob("*.txt")):
+        text = f.read_text()
+        ratios = benchmark_ratios(text)
+        target = out / f"bench-{f.stem}.svg"
+        if not ratios:
+            target.unlink(missing_ok=True)
+            continue
+        labels = [f"{case}: {label}" if case else label for case, label, _ in ratios]
+        values = [r for _, _, r in ratios]
+        fig, ax = plt.subplots(figsize=(8.0, 0.9 + 0.26 * len(values)))
+        y = np.arange(len(values))[::-1]
+        colors = [TEAL if v <= 1.0 else ORANGE for v in values]
+        ax.barh(y, values, color=colors, height=0.7)
+        ax.axvline(1.0, color=GREY, lw=1.2, ls="--")
+        ax.set_yticks(y, labels, fontsize=7.5)
+        ax.set_xlabel("time ratio, qhoptim / the framework's built-in (below 1: faster)")
+        for yi, v in zip(y, values, strict=True):
+            ax.text(v, yi, f" {v:.2f}", va="center", fontsize=7)
+        ax.set_xlim(0, max(1.2, 1.12 * max(values)))
+        ax.set_title(f"{f.stem} ({_device(text)})", fontsize=9.5)
+        ax.grid(axis="y", visible=False)
+        _save(fig, target)
+
+
 if __name__ == "__main__":
     what, target = sys.argv[1], Path(sys.argv[2])
     target.mkdir(parents=True, exist_ok=True)
     if what == "analysis":
         analysis(target)
+    elif what == "benchmarks":
+        benchmarks(target, Path(sys.argv[3]))
     else:
         trajectories(target, Path(sys.argv[3]))

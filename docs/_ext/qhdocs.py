@@ -29,7 +29,8 @@ Directives:
 ``qh-automodule MODULE``
     ``automodule`` if the module is in the checkout, a note otherwise.
 ``qh-benchmarks``
-    Every ``docs/benchmarks/*.txt`` recorded benchmark output, verbatim.
+    Every ``docs/benchmarks/*.txt`` recorded benchmark output, verbatim, under a
+    figure of its ratios (``figures.py benchmarks``, drawn at build time).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ BACKENDS = {
     "qhoptim.mlx": "mlx",
 }
 FRAMEWORKS = {"torch", "keras", "optax", "jax", "mlx"}
+# Conformance rows that run under Triton's interpreter only: the triton nox
+# session prints them; the site's build does not wait for them.
+INTERPRETER_ROWS = frozenset({"torch-triton"})
 # conformance adapter -> the qhoptim module it tests (None: the core).
 ADAPTER_MODULES = {
     "torch": "qhoptim.torch",
@@ -178,6 +182,8 @@ def generate(app: Sphinx) -> None:
     jobs: dict[str, list[str]] = {}
     slow_first = {"optax": 0, "keras": 1, "torch-fused": 2, "torch": 3, "torch-foreach": 4}
     for name in sorted(REGISTRY, key=lambda n: slow_first.get(n, 9)):
+        if name in INTERPRETER_ROWS:
+            continue
         (GEN / "runs" / f"conformance-{name}.json").unlink(missing_ok=True)
         (GEN / "runs" / f"trajectory-{name}.npz").unlink(missing_ok=True)
         jobs[f"conformance:{name}"] = [
@@ -187,6 +193,13 @@ def generate(app: Sphinx) -> None:
             str(GEN / "runs"),
         ]
     jobs["figures:analysis"] = [py, str(DOCS / "_ext" / "figures.py"), "analysis", str(FIG)]
+    jobs["figures:benchmarks"] = [
+        py,
+        str(DOCS / "_ext" / "figures.py"),
+        "benchmarks",
+        str(FIG),
+        str(BENCHMARKS),
+    ]
     for script in sorted(EXAMPLES.glob("*.py")):
         runnable, reason, strict_failure = example_status(script)
         if runnable:
@@ -590,6 +603,14 @@ class BenchmarksDirective(SphinxDirective):
             text = f.read_text().rstrip("\n")
             section = nodes.section(ids=[f"bench-{f.stem}"])
             section += nodes.title(text=f.stem.replace("_", " "))
+            figure = FIG / f"bench-{f.stem}.svg"
+            if figure.exists():
+                # Each ratio the run recorded, drawn from the file at build time.
+                uri = os.path.relpath(figure, DOCS)
+                section += nodes.image(
+                    uri=uri,
+                    alt=f"{f.stem}: every ratio to the framework's built-in, the 1.0 line marked",
+                )
             section += nodes.paragraph(text=f"docs/benchmarks/{f.name}, verbatim:")
             block = nodes.literal_block(text, text, language="text")
             section += block

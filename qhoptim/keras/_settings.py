@@ -21,12 +21,13 @@ __all__ = ["BACKEND", "TF_JIT_COMPILE", "TORCH_FUSED"]
 #: numbers are the same. Read from this module at every step; TensorFlow only.
 TF_JIT_COMPILE = True
 
-#: On the torch backend, variables on the CPU step through ``qhoptim.torch``'s
-#: fused CPU kernel (one pass over memory per step, as ``fused=True``) when it
-#: can be had: it is compiled on first use (about 30 s, once per machine; it
-#: needs a C++ compiler and ninja) and the multi-tensor kernels serve where it
-#: cannot be built, and for CUDA variables. Set to ``False`` to always use the
-#: multi-tensor kernels; the numbers agree to rounding. Read at every step.
+#: On the torch backend, variables step through ``qhoptim.torch``'s fused
+#: kernels (one pass over memory per step, as ``fused=True``) when they can be
+#: had: on the CPU the C++ kernel, compiled on first use (about 30 s, once per
+#: machine; it needs a C++ compiler and ninja), on CUDA the Triton kernels
+#: (Triton ships with torch's CUDA builds); the multi-tensor kernels serve where
+#: neither can be had. Set to ``False`` to always use the multi-tensor kernels;
+#: the numbers agree to rounding. Read at every step.
 TORCH_FUSED = True
 
 #: The active Keras backend, read once: Keras chooses it at import.

@@ -16,16 +16,17 @@ from qhoptim import validation
 from qhoptim.keras import _settings
 from qhoptim.keras._step import step_number
 from qhoptim.torch import _fused, _kernels, _state_dtype, _tensors
-from qhoptim.torch._extension import cpu_kernel_available
 from qhoptim.torch._tensors import unalias_grads
 
 
 def _fused_here(params: list[Any]) -> bool:
-    """Whether these variables step through the fused CPU kernel (``TORCH_FUSED``)."""
+    """Whether these variables (of one device) step through the fused kernel
+    (``TORCH_FUSED``): the C++ one on CPU, Triton's on CUDA, where it can be had."""
     return (
         bool(_settings.TORCH_FUSED)
-        and all(p.device.type == "cpu" for p in params)
-        and cpu_kernel_available()
+        and len({p.device for p in params}) == 1
+        and params[0].device.type in ("cpu", "cuda")
+        and _fused.kernel_available(params[0].device)
     )
 
 
@@ -158,7 +159,7 @@ def _step_lists(
     steps = [step] * len(params)
     if fused:
         hp_adam = _tensors.QHAdamHyperparameters(**kwargs)
-        _fused.fused_qhadam_cpu_(
+        _fused.fused_qhadam_host_steps(
             params, grads, exp_avgs, exp_avg_sqs, steps, hp_adam, max_exp_avg_sqs, state_seeds
         )
     else:

@@ -12,13 +12,18 @@ their application is fused:
   half a minute) and cached on disk (``TORCH_EXTENSIONS_DIR``) for every later
   process. It needs a C++ compiler and ninja.
 * **CUDA**: Triton kernels (:mod:`qhoptim.torch._triton`), one launch per
-  device and dtype over every tensor of a param group.
+  device and dtype over every tensor of a param group, and nothing else on
+  the device: the step counts live on the host (on the device when
+  ``capturable``), which computes the coefficients. Under
+  ``TRITON_INTERPRET=1`` CPU tensors take these kernels too (Triton's
+  interpreter), in place of the C++ one.
 
 As in ``torch.optim.Adam(fused=True)``, the step reads ``grad_scale`` and
 ``found_inf`` that ``torch.amp.GradScaler`` sets: gradients are unscaled inside
 the kernel (never written), and a step with an inf or NaN gradient is skipped,
-state and step counts included. Low-precision parameters are computed in
-float32.
+state and step counts included (QHM's kernel and a capturable QHAdam step read
+``found_inf`` on the device; a QHAdam step whose counts the host keeps reads it
+on the host). Low-precision parameters are computed in float32.
 """
 
 from __future__ import annotations
@@ -30,20 +35,19 @@ from torch import Tensor
 
 from qhoptim import rules
 from qhoptim.torch import _kernels, _tensors
-from qhoptim.torch._extension import cpu_extension
+from qhoptim.torch._extension import cpu_extension, cpu_kernel_available
 from qhoptim.torch._tensors import (
     group_by_device_and_dtype,
-    local_shard,
     local_shards,
-    unalias_grads,
+    runs_triton,
 )
 
 __all__ = [
     "check_fused",
-    "check_fused_amsgrad",
     "fused_qhadam",
-    "fused_qhadam_cpu_",
+    "fused_qhadam_host_steps",
     "fused_qhm",
+    "kernel_available",
 ]
 
 _DEVICES = ("cpu", "cuda")
@@ -63,17 +67,17 @@ def check_fused(params: list[Tensor], *, foreach: bool | None, differentiable: b
             )
 
 
-def check_fused_amsgrad(params: list[Tensor]) -> None:
-    """Refuse ``fused=True, amsgrad=True`` on CUDA: the Triton kernels have no AMSGrad.
-
-    The fused CPU kernel has it; on CUDA the multi-tensor kernels do.
-    """
-    if any(local_shard(p).device.type == "cuda" for p in params):
-        raise ValueError(
-            "fused=True with amsgrad=True is not supported for CUDA parameters: "
-            "qhoptim's fused (Triton) CUDA kernels have no AMSGrad variant; "
-            "use foreach=True (the multi-tensor kernels) with amsgrad=True instead"
-        )
+def kernel_available(device: torch.device) -> bool:
+    """Whether the fused kernel of ``device``'s tensors can be had: the C++ one
+    (built, or loaded from the disk cache), or Triton's. For callers that fall
+    back to the multi-tensor kernels (``qhoptim.keras`` on torch)."""
+    if not runs_triton(device):
+        return cpu_kernel_available()
+    try:
+        _triton()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _triton() -> Any:
@@ -90,7 +94,8 @@ def _triton() -> Any:
 
 
 def _skip(found_inf: Tensor | None) -> bool:
-    """Whether GradScaler found an inf or NaN gradient (read on the host, CPU only)."""
+    """Whether GradScaler found an inf or NaN gradient, read on the host (on CUDA,
+    for a step whose counts the host keeps: one synchronization)."""
     return found_inf is not None and bool(found_inf.item() != 0)
 
 
@@ -121,7 +126,7 @@ class _Contiguous:
         self.pairs: list[tuple[Tensor, Tensor]] = []
         self.lists = [
             self._contiguous(params),
-            [t.contiguous() for t in grads],
+            grads if all([t.is_contiguous() for t in grads]) else [t.contiguous() for t in grads],
             *(self._contiguous(ts) for ts in state),
         ]
 
@@ -156,7 +161,8 @@ def _groups_with_indices(
     positions -- for a bfloat16 state beside float32 parameters, which torch's
     grouping (before 2.13) refuses as a mix of dtypes.
     """
-    tensorlists = [local_shards(ts) for ts in tensorlists]
+    if local_shards(tensorlists[0]) is not tensorlists[0]:  # DTensors: the lists share placements
+        tensorlists = [local_shards(ts) for ts in tensorlists]
     n = len(tensorlists) if by is None else by
     grouped = group_by_device_and_dtype(tensorlists[:n], with_indices=True)
     return [
@@ -193,10 +199,7 @@ def fused_qhm(
     for device, (*lists, indices) in _groups_with_indices([params, grads, momentum_buffers], by=by):
         seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, bufs):
-            if device.type == "cuda":
-                # The C++ kernel copies an aliased gradient itself; here it is done
-                # before the launch.
-                gs = unalias_grads(ps, gs)
+            if runs_triton(device):  # a gradient overlapping its parameter: copied there
                 _triton().qhm_(ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf)
                 continue
             if _skip(found_inf):
@@ -246,18 +249,20 @@ def fused_qhadam(
     found_inf: Tensor | None,
     max_exp_avg_sqs: list[Tensor] | None = None,
     state_seeds: list[list[int]] | None = None,
+    capturable: bool = False,
 ) -> None:
     """One fused QHAdam step (coefficients of :func:`qhoptim.rules.fold_qhadam`).
 
-    ``state_steps`` are tensors on the parameters' devices, incremented here
-    unless GradScaler found an inf. With ``hp.amsgrad`` (CPU only)
+    ``state_steps`` count the steps taken, incremented here unless GradScaler
+    found an inf: on the host (CPU tensors), whose values the coefficients are
+    computed from, or -- ``capturable`` -- on the parameters' devices, where
+    the Triton kernels' coefficients are evaluated. With ``hp.amsgrad``
     ``max_exp_avg_sqs`` are the running maxima the denominator reads.
     ``state_seeds`` (CPU, float32 parameters): the moments are bfloat16,
     rounded stochastically with these seeds (one per moment and tensor).
     """
     tensorlists = [params, grads, exp_avgs, exp_avg_sqs]
     if hp.amsgrad:
-        check_fused_amsgrad(params)
         tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
     by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
     for device, (*lists, steps, indices) in _groups_with_indices(
@@ -265,21 +270,28 @@ def fused_qhadam(
     ):
         seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
-            if device.type == "cuda":
-                gs = unalias_grads(ps, gs)
+            if capturable and runs_triton(device):  # counts and coefficients on the device
                 _triton().qhadam_(
-                    ps, gs, ms, ss, steps, hp, grad_scale=grad_scale, found_inf=found_inf
+                    ps,
+                    gs,
+                    ms,
+                    ss,
+                    vs[0] if vs else None,
+                    steps,
+                    hp,
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
                 )
                 continue
             if _skip(found_inf):
                 continue
-            torch._foreach_add_(steps, 1)
+            _tensors.advance_counts(steps)
             # One read of every count (each item() would cost a call per tensor).
             numbers = torch.stack(steps).tolist() if steps else []
-            _cpu_qhadam_(ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds)
+            _qhadam_numbers_(device, ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds)
 
 
-def fused_qhadam_cpu_(
+def fused_qhadam_host_steps(
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
@@ -289,7 +301,7 @@ def fused_qhadam_cpu_(
     max_exp_avg_sqs: list[Tensor] | None = None,
     state_seeds: list[list[int]] | None = None,
 ) -> None:
-    """One fused QHAdam step of CPU tensors whose step numbers are Python numbers.
+    """One fused QHAdam step whose step numbers are Python numbers.
 
     ``steps[i]`` is the number of the step being taken (1 on the first), as
     :func:`qhoptim.torch._kernels.foreach_qhadam` takes them; for
@@ -304,7 +316,39 @@ def fused_qhadam_cpu_(
     for device, (*lists, indices) in _groups_with_indices(tensorlists, by=by):
         seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
-            _cpu_qhadam_(ps, gs, ms, ss, vs, [steps[i] for i in indices], hp, None, seeds)
+            numbers = [steps[i] for i in indices]
+            _qhadam_numbers_(device, ps, gs, ms, ss, vs, numbers, hp, None, seeds)
+
+
+def _qhadam_numbers_(
+    device: torch.device,
+    ps: list[Tensor],
+    gs: list[Tensor],
+    ms: list[Tensor],
+    ss: list[Tensor],
+    vs: list[list[Tensor]],
+    steps: list[float],
+    hp: _tensors.QHAdamHyperparameters,
+    grad_scale: Tensor | None,
+    seeds: Tensor,
+) -> None:
+    """One group's step whose step numbers ``steps`` the host has: the Triton
+    kernel's (CUDA), or the C++ kernel's (CPU)."""
+    if runs_triton(device):
+        max_exp_avg_sqs = vs[0] if vs else None
+        _triton().qhadam_(
+            ps,
+            gs,
+            ms,
+            ss,
+            max_exp_avg_sqs,
+            steps,
+            hp,
+            grad_scale=grad_scale,
+            found_inf=None,
+        )
+        return
+    _cpu_qhadam_(ps, gs, ms, ss, vs, steps, hp, grad_scale, seeds)
 
 
 def _cpu_qhadam_(

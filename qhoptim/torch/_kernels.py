@@ -358,20 +358,22 @@ def _device_fold(
     )
 
 
-def device_coefficients(steps: list[Tensor], param: Tensor, hp: QHAdamHyperparameters) -> Tensor:
+def device_coefficients(
+    steps: list[Tensor], param: Tensor, hp: QHAdamHyperparameters, *constants: float
+) -> Tensor:
     """:func:`_device_folded` for the fused kernels: one row per parameter.
 
     The columns: ``exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value,
-    grad_value`` (:class:`qhoptim.rules.FoldedQHAdam`) and the decoupled decay
-    factor (:func:`qhoptim.rules.decoupled_decay_factor`, 1 without it). Built
-    with device ops only, so a CUDA graph can capture it.
+    grad_value`` (:class:`qhoptim.rules.FoldedQHAdam`), the decoupled decay
+    factor (:func:`qhoptim.rules.decoupled_decay_factor`, 1 without it), then
+    ``constants``. Built with device ops only, so a CUDA graph can capture it.
     """
     f = _device_folded(steps, param, hp)
     decay: Any = 1.0
     if hp.weight_decay != 0 and hp.decoupled_weight_decay:
         decay = rules.decoupled_decay_factor(hp.lr, hp.weight_decay)
     like = cast(Tensor, f.exp_avg_value)  # a tensor of one value per step
-    columns = [torch.zeros_like(like) + x for x in (*f[1:], decay)]
+    columns = [torch.zeros_like(like) + x for x in (*f[1:], decay, *constants)]
     return torch.stack(columns, dim=1)
 
 

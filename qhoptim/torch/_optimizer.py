@@ -381,17 +381,20 @@ class QHOptimizer(Optimizer):
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
     ) -> tuple[list[dict[str, Any]], bool]:
         """Append the params with a gradient (and their grads); return their states."""
+        # The step's host work is per parameter: each attribute read once.
         states = []
         has_complex = False
+        state = self.state
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise sparse_error(type(self).__name__)
-            has_complex |= torch.is_complex(p)
+            has_complex |= p.is_complex()
             params.append(p)
-            grads.append(p.grad)
-            states.append(self.state[p])
+            grads.append(grad)
+            states.append(state[p])
         return states, has_complex
 
     def _step_group(self, group: dict[str, Any]) -> None:
@@ -416,13 +419,16 @@ class QHOptimizer(Optimizer):
         }
 
     def _step_dtype_and_device(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
-        """Where a new step count lives: on the parameter's device for capturable and
-        fused steps (float32 for fused, as torch's), else a CPU tensor."""
-        if group["fused"]:
-            return {"dtype": torch.float32, "device": p.device}
+        """Where a new step count lives: on the parameter's device for capturable
+        steps, else on the CPU, where the host reads it without a synchronization
+        (fused steps compute their coefficients there); float32 for fused steps,
+        as torch's."""
+        dtype = torch.float32 if group["fused"] else scalar_dtype()
         if group["capturable"]:
-            return {"dtype": scalar_dtype(), "device": p.device}
-        return {"dtype": scalar_dtype()}
+            return {"dtype": dtype, "device": p.device}
+        if group["fused"]:
+            return {"dtype": dtype, "device": torch.device("cpu")}
+        return {"dtype": dtype}
 
     @use_grad_for_differentiable
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -81,8 +81,6 @@ class QHAdam(QHOptimizer):
         }
         super().__init__(params, self._renamed({**defaults, **legacy}, warn=True))
         self._setup_fused()
-        if fused and amsgrad:
-            _fused.check_fused_amsgrad([p for g in self.param_groups for p in g["params"]])
 
     _GROUP_KEYS = ("lr", "betas", "nus", "weight_decay", "eps")
     _LEGACY_DECAY_KEY = "decouple_weight_decay"
@@ -171,6 +169,7 @@ class QHAdam(QHOptimizer):
         state_steps: list[Tensor],
     ) -> bool:
         states, has_complex = self._gather(group, params, grads)
+        amsgrad, differentiable = group["amsgrad"], group["differentiable"]
         for p, state in zip(params, states, strict=True):
             if len(state) == 0:
                 # As torch's Adam: the step count lives on the CPU unless
@@ -180,19 +179,19 @@ class QHAdam(QHOptimizer):
                 state["exp_avg"] = _state_dtype.zeros_state(p, narrow)
                 # |g|^2 is real: a complex parameter has a real second moment.
                 state["exp_avg_sq"] = _state_dtype.zeros_state(p, narrow or p.real.dtype)
-            if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            if amsgrad and "max_exp_avg_sq" not in state:
                 # New state, or amsgrad switched on in a group stepped without it:
                 # the running maximum starts at zero, max(0, s) = s, as torch's.
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     state["exp_avg_sq"], memory_format=torch.preserve_format
                 )
-            if group["differentiable"] and state["step"].requires_grad:
+            if differentiable and state["step"].requires_grad:
                 raise RuntimeError(
                     "`requires_grad` is not supported for `step` in differentiable mode"
                 )
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            if group["amsgrad"]:
+            if amsgrad:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             state_steps.append(state["step"])
         return has_complex
@@ -345,7 +344,7 @@ _QHADAM_FLAGS_DOC = rf"""
         fused (bool, optional): one pass over memory per step: a C++ kernel on
             CPU, Triton kernels on CUDA (default: None, i.e. False)
         amsgrad (bool, optional): the AMSGrad variant, as ``torch.optim.Adam``'s
-            ``amsgrad``; not with ``fused=True`` on CUDA (default: False)
+            ``amsgrad`` (default: False)
         {state_dtype_doc}
 """
 
@@ -540,12 +539,8 @@ def _multi_tensor_qhadam(
     grouped = group_by_device_and_dtype(tensorlists)
     for lists, _ in grouped.values():
         ps, gs, ms, ss, steps, *vs = (cast(list[Tensor], x) for x in lists)
-        # The step counts live on the CPU unless capturable; adding a CPU
-        # tensor keeps torch's multi-tensor kernel on its fast path there.
-        if steps[0].is_cpu:
-            torch._foreach_add_(steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
-        else:
-            torch._foreach_add_(steps, 1)
+        # The step counts live on the CPU unless capturable.
+        _tensors.advance_counts(steps)
         _kernels.qhadam_(
             ps,
             gs,
@@ -633,6 +628,7 @@ def qhadam(
             found_inf=found_inf,
             max_exp_avg_sqs=maxes,
             state_seeds=state_seeds,
+            capturable=capturable,
         )
         return
     if state_seeds is not None:

@@ -136,6 +136,12 @@ class QHM(QHOptimizer):
         momentum_buffers: list[Tensor],
     ) -> bool:
         states, has_complex = self._gather(group, params, grads)
+        if group["state_dtype"] is None:  # the common case, at the least host work
+            for p, state in zip(params, states, strict=True):
+                if len(state) == 0:
+                    state["momentum_buffer"] = _state_dtype.zeros_state(p, None)
+                momentum_buffers.append(state["momentum_buffer"])
+            return has_complex
         for p, state in zip(params, states, strict=True):
             narrow = _state_dtype.narrow(group, p)
             if len(state) == 0:

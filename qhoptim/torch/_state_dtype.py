@@ -34,6 +34,7 @@ from torch import Tensor
 
 from qhoptim import rounding
 from qhoptim.torch import _extension
+from qhoptim.torch._tensors import runs_triton
 
 __all__ = [
     "STATE_DTYPES",
@@ -99,11 +100,13 @@ def in_fused_kernel(
     params: Sequence[Tensor],
 ) -> bool:
     """Whether the fused CPU kernel steps these parameters' narrow state itself:
-    ``fused``, float32 CPU parameters, bfloat16 state, stochastic rounding."""
+    ``fused``, float32 CPU parameters that the C++ kernel takes, bfloat16
+    state, stochastic rounding."""
     return (
         fused
         and state_dtype == torch.bfloat16
         and stochastic_rounding is not False
+        and not runs_triton(torch.device("cpu"))
         and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
     )
 

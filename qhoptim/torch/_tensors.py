@@ -9,6 +9,7 @@ torch and the qhoptim core; every other module of the package may import it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,7 +35,7 @@ from torch.optim.optimizer import Optimizer
 #   vs 260 us for 5 lists of 500 tensors, 68 vs 28 us for 62), +4% on a QHAdam
 #   step over 500 CPU tensors of 1,000 elements, and more on an accelerator,
 #   where the step's time is mostly the host's.
-# * ``torch._foreach_*`` (``_kernels.py``, ``_qhadam.py``, ``_triton.py``):
+# * ``torch._foreach_*`` (``_kernels.py``, ``_tensors.py``, ``_triton.py``):
 #   torch's multi-tensor ops, documented (beta) under this spelling only.
 # * ``Optimizer._optimizer_load_state_dict_pre_hooks`` (``load_state_dict``):
 #   the load-state-dict pre-hooks are run once before qhoptim checks the state
@@ -249,3 +250,25 @@ def local_shards(ts: list[Tensor]) -> list[Tensor]:
     if all([type(t) in _PLAIN for t in ts]):
         return ts
     return [local_shard(t) for t in ts]
+
+
+def runs_triton(device: torch.device) -> bool:
+    """Whether ``fused=True`` steps tensors on ``device`` with the Triton kernels:
+    CUDA tensors, and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
+    which tests the CUDA kernels on CPU); other CPU tensors take the C++ kernel."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# The addend of step counts on the CPU: a CPU tensor keeps torch's multi-tensor
+# kernel on its fast path there (a number does not), made once.
+_ONE = torch.tensor(1.0, device="cpu")
+
+
+def advance_counts(counts: list[Tensor]) -> None:
+    """Add one to each step count (0-d tensors of one device)."""
+    if counts and counts[0].is_cpu:
+        torch._foreach_add_(counts, _ONE, alpha=1.0)
+    else:
+        torch._foreach_add_(counts, 1)

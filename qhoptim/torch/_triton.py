@@ -1,22 +1,41 @@
-r"""Fused QHM and QHAdam steps on CUDA: Triton kernels over whole tensor lists.
+r"""Fused QHM and QHAdam steps on CUDA: one Triton launch per device and dtype.
 
-One launch covers every tensor of a device-and-dtype group: a table lists, for
-each block of ``_BLOCK`` elements, its tensor and its offset, and each program
-reads the tensors' addresses from the table and makes one pass over its block
--- parameter, gradient and state read once, parameter and state written once.
+One launch covers every tensor of a device-and-dtype group: a table lists,
+for each block of ``_BLOCK`` elements, its tensor and its offset, and each
+program reads the tensors' addresses from the table and makes one pass over
+its block -- parameter, gradient and state read once, parameter and state
+written once. Nothing else runs on the device in a step that is not
+capturable:
 
-The coefficients come from :mod:`qhoptim.rules` through the kernel layer: for
-QHAdam they are evaluated on the device from the step counts
-(:func:`qhoptim.torch._kernels.device_coefficients`), one row per tensor, and a
-tensor ``lr`` is read on the device, so a step reads nothing back to the host
-and can be captured in a CUDA graph. ``grad_scale`` and ``found_inf`` of
-``torch.amp.GradScaler`` are read by the kernel: gradients are unscaled in
-registers, and a step with an inf is skipped (state and step counts included).
+* the coefficients come from :mod:`qhoptim.rules`, computed on the host from
+  the step counts (which live on the host) and passed as the launch's scalar
+  arguments -- one set for the group when its tensors agree in step count,
+  the normal case; a row per tensor, copied to the device, otherwise;
+* the address table stays on the device while the tensors stay put, and is
+  copied again only when one moves (gradients reallocated by
+  ``zero_grad(set_to_none=True)`` usually come back at the same addresses);
+  the blocks' table depends on the tensors' sizes alone.
+
+Float64 parameters take their coefficients from a small float64 table on the
+device instead (a launch's float arguments are float32). A capturable step
+(and a tensor ``lr``) keeps its coefficients on the device, evaluated there
+from the device step counts (:func:`qhoptim.torch._kernels.device_coefficients`),
+so that it reads nothing back and can be captured in a CUDA graph; there
+``found_inf`` of ``torch.amp.GradScaler`` is read by the kernel, which skips
+the step (state and step counts included). ``grad_scale`` is always read by
+the kernel: gradients are unscaled in registers.
+
+Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (Triton's
+interpreter, NumPy underneath), which is how CI tests them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+import math
+import os
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import triton
@@ -36,40 +55,140 @@ _TL_DTYPES = {
     torch.float16: tl.float16,
     torch.bfloat16: tl.bfloat16,
 }
+_MAX_CACHED = 64
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON_VERSION = tuple(int(v) for v in triton.__version__.split(".")[:2] if v.isdigit())
+# Integers and pointers are not specialized on their values (see _launch):
+# compiled once per dtype and constexprs.
+_JIT = {"do_not_specialize": ["n_tensors", "row_stride"]}
+if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+    _JIT["do_not_specialize_on_alignment"] = [
+        *("addrs", "numels", "block_tensor", "block_start", "table", "scale_ptr", "inf_ptr"),
+        *("counts", "rows", "hyper", "lr_ptr"),
+    ]
 
-# Tables of tensor addresses and blocks, kept while the tensors stay put (a
-# CUDA graph replays the captured table; grads reallocated each step rebuild it).
-_TABLES: dict[tuple[Any, ...], tuple[Tensor, ...]] = {}
-_MAX_TABLES = 64
+
+# --------------------------------------------------------------------- tables
+class _Blocks(NamedTuple):
+    """The blocks of a list of tensors (on the device): each tensor's size, and
+    each block's tensor and first element."""
+
+    numels: Tensor
+    block_tensor: Tensor
+    block_start: Tensor
 
 
-def _table(lists: list[list[Tensor]]) -> tuple[Tensor, ...]:
-    """``(addresses [lists, tensors], numels, block_tensor, block_start)`` on the device."""
-    first = lists[0]
-    key = (_BLOCK, *((t.data_ptr(), t.numel()) for ts in lists for t in ts))
-    table = _TABLES.get(key)
-    if table is not None:
-        return table
-    device = first[0].device
-    block_tensor, block_start = [], []
-    for i, t in enumerate(first):
-        for start in range(0, t.numel(), _BLOCK):
-            block_tensor.append(i)
-            block_start.append(start)
-    table = (
-        torch.tensor(
-            [[t.data_ptr() for t in ts] for ts in lists], dtype=torch.int64, device=device
-        ),
-        torch.tensor([t.numel() for t in first], dtype=torch.int64, device=device),
-        torch.tensor(block_tensor, dtype=torch.int32, device=device),
-        torch.tensor(block_start, dtype=torch.int64, device=device),
+# By (device, sizes): kept for as long as the tensors keep their sizes.
+_BLOCKS: dict[tuple[Any, ...], _Blocks] = {}
+# By (device, addresses): kept while the tensors stay put. A CUDA graph
+# replays the table it captured.
+_ADDRESSES: dict[tuple[Any, ...], Tensor] = {}
+
+
+_V = TypeVar("_V")
+
+
+def _remember(cache: dict[tuple[Any, ...], _V], key: tuple[Any, ...], value: _V) -> _V:
+    if len(cache) >= _MAX_CACHED:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
+def _blocks(tensors: list[Tensor], device: torch.device) -> _Blocks:
+    sizes = tuple([t.numel() for t in tensors])
+    key = (device, sizes)
+    found = _BLOCKS.get(key)
+    if found is not None:
+        return found
+    counts = torch.tensor([-(-n // _BLOCK) for n in sizes], dtype=torch.int64)
+    block_tensor = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+    first_block = torch.cumsum(counts, 0) - counts  # each tensor's
+    block_start = (torch.arange(int(counts.sum())) - first_block[block_tensor]) * _BLOCK
+    blocks = _Blocks(
+        torch.tensor(sizes, dtype=torch.int64).to(device),
+        block_tensor.to(device, torch.int32),
+        block_start.to(device, torch.int64),
     )
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = table
-    return table
+    return _remember(_BLOCKS, key, blocks)
 
 
+def _pointers(lists: list[list[Tensor]]) -> tuple[int, ...]:
+    return tuple([t.data_ptr() for ts in lists for t in ts])
+
+
+def _table(pointers: tuple[int, ...], rows: int, device: torch.device) -> Tensor:
+    """``pointers`` as an int64 ``[rows, tensors]`` table on the device, made once."""
+    key = (device, rows, pointers)
+    found = _ADDRESSES.get(key)
+    if found is None:
+        table = torch.tensor(pointers, dtype=torch.int64).view(rows, -1).to(device)
+        found = _remember(_ADDRESSES, key, table)
+    return found
+
+
+def _addresses(lists: list[list[Tensor]], device: torch.device) -> tuple[Tensor, list[Tensor]]:
+    """The address table of ``lists`` (parameters, gradients, state) on the device,
+    and the gradients it holds.
+
+    For addresses not seen before, a gradient that overlaps its parameter's
+    memory (``p.grad = p.detach()``, or another window of the parameter's
+    buffer) is copied first: the kernel reads it block by block as it writes
+    the parameter. Addresses seen before were found free of that.
+    """
+    pointers = _pointers(lists)
+    if (device, len(lists), pointers) not in _ADDRESSES:
+        params, grads = lists[0], lists[1]
+        n = len(params)
+        sizes = [p.numel() for p in params]
+        for ts in lists[1:]:
+            if [t.numel() for t in ts] != sizes:  # the kernel reads as many of each
+                raise RuntimeError(
+                    "fused=True: each gradient and state must have its parameter's number "
+                    "of elements"
+                )
+        overlapping = [
+            i
+            for i in range(n)
+            if _overlap(pointers[i], pointers[n + i], sizes[i] * params[i].element_size())
+        ]
+        if overlapping:
+            grads = list(grads)
+            for i in overlapping:
+                grads[i] = grads[i].clone()
+            lists = [params, grads, *lists[2:]]
+            pointers = _pointers(lists)
+    return _table(pointers, len(lists), device), lists[1]
+
+
+def _overlap(a: int, b: int, size: int) -> bool:
+    """Whether ``[a, a + size)`` and ``[b, b + size)`` share a byte (``size`` > 0)."""
+    return size > 0 and a < b + size and b < a + size
+
+
+# Coefficient tables (float64 groups, a tensor lr): one device tensor per
+# distinct set of values, so that a set that recurs (QHM's, every step) is
+# copied to the device once.
+_VALUES: dict[tuple[Any, ...], Tensor] = {}
+
+
+def _values(values: tuple[float, ...], device: torch.device) -> Tensor:
+    key = (values, device)
+    found = _VALUES.get(key)
+    if found is not None:
+        return found
+    return _remember(_VALUES, key, torch.tensor(values, dtype=torch.float64).to(device))
+
+
+def _as_float32(c: float) -> float:
+    """A host coefficient as the launch's float32 scalar: rounded as IEEE arithmetic
+    rounds it (``1e308`` is inf), which a float argument's conversion would refuse."""
+    if not math.isfinite(c) or abs(c) <= 3.4028234663852886e38:
+        return c
+    return math.copysign(math.inf, c)
+
+
+# -------------------------------------------------------------------- kernels
 @triton.jit
 def _lerp(start, end, weight):
     # torch.lerp's formula, so that the fused moments round as the foreach ones.
@@ -79,7 +198,7 @@ def _lerp(start, end, weight):
 
 
 @triton.jit
-def _block(addrs, numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK):
+def _block(numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK):
     """This program's block: its tensor's index, the offsets and the mask (none
     where GradScaler found an inf or NaN: nothing is written)."""
     pid = tl.program_id(0)
@@ -87,7 +206,7 @@ def _block(addrs, numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK):
     offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
     mask = offs < tl.load(numels + t)
     if HAS_INF:
-        mask = mask & (tl.load(inf_ptr) == 0)
+        mask = tl.where(tl.load(inf_ptr) == 0, mask, False)
     return t, offs, mask
 
 
@@ -95,6 +214,14 @@ def _block(addrs, numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK):
 def _address(addrs, n_tensors, t, k, DTYPE):
     """The address of tensor ``t`` of list ``k`` in the table."""
     return tl.load(addrs + k * n_tensors + t).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _coefficient(value, table, k, IN_TABLE, COMPUTE):
+    """Coefficient ``k``: the launch's scalar ``value``, or entry ``k`` of ``table``."""
+    if IN_TABLE:
+        return tl.load(table + k).to(COMPUTE)
+    return tl.cast(value, COMPUTE)
 
 
 @triton.jit
@@ -108,25 +235,26 @@ def _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scal
     return g + coupled_weight_decay * p
 
 
-@triton.jit
+@triton.jit(**_JIT)
 def _qhm_kernel(
-    addrs, numels, block_tensor, block_start, n_tensors, hyper, folded, scale_ptr, inf_ptr,
-    HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+    addrs, numels, block_tensor, block_start, n_tensors, table,
+    decay, buffer_value, grad_value, grad_multiplier, coupled_weight_decay, grad_to_buffer,
+    scale_ptr, inf_ptr,
+    IN_TABLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
     DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    t, offs, mask = _block(addrs, numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
+    t, offs, mask = _block(numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
     p_ptr = _address(addrs, n_tensors, t, 0, DTYPE)
     g_ptr = _address(addrs, n_tensors, t, 1, DTYPE)
     b_ptr = _address(addrs, n_tensors, t, 2, DTYPE)
-    # Host scalars, in COMPUTE precision (Python floats would reach Triton as float32).
-    grad_multiplier = tl.load(hyper)
-    coupled_weight_decay = tl.load(hyper + 1)
-    grad_to_buffer = tl.load(hyper + 2)
-    # rules.decoupled_decay_factor and rules.fold_qhm: host numbers, or device
-    # values of a tensor lr.
-    decay = tl.load(folded).to(COMPUTE)
-    buffer_value = tl.load(folded + 1).to(COMPUTE)
-    grad_value = tl.load(folded + 2).to(COMPUTE)
+    # rules.decoupled_decay_factor, rules.fold_qhm, maximize's sign, coupled
+    # decay and rules.qhm_coefficients' grad_to_buffer (the order of _QHM_VALUES).
+    decay = _coefficient(decay, table, 0, IN_TABLE, COMPUTE)
+    buffer_value = _coefficient(buffer_value, table, 1, IN_TABLE, COMPUTE)
+    grad_value = _coefficient(grad_value, table, 2, IN_TABLE, COMPUTE)
+    grad_multiplier = _coefficient(grad_multiplier, table, 3, IN_TABLE, COMPUTE)
+    coupled_weight_decay = _coefficient(coupled_weight_decay, table, 4, IN_TABLE, COMPUTE)
+    grad_to_buffer = _coefficient(grad_to_buffer, table, 5, IN_TABLE, COMPUTE)
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                    HAS_SCALE, COMPUTE)  # fmt: skip
@@ -136,68 +264,154 @@ def _qhm_kernel(
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
-@triton.jit
+@triton.jit(**_JIT)
 def _qhadam_kernel(
-    addrs, numels, block_tensor, block_start, n_tensors, coefficients, hyper, scale_ptr, inf_ptr,
-    FORM: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+    addrs, numels, block_tensor, block_start, n_tensors, table, row_stride,
+    exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value, decay,
+    grad_multiplier, coupled_weight_decay, grad_to_exp_avg, exp_avg_sq_decay,
+    grad_sq_to_exp_avg_sq,
+    scale_ptr, inf_ptr,
+    FORM: tl.constexpr, AMSGRAD: tl.constexpr, IN_TABLE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
     DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    t, offs, mask = _block(addrs, numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
+    t, offs, mask = _block(numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
     p_ptr = _address(addrs, n_tensors, t, 0, DTYPE)
     g_ptr = _address(addrs, n_tensors, t, 1, DTYPE)
     m_ptr = _address(addrs, n_tensors, t, 2, DTYPE)
     s_ptr = _address(addrs, n_tensors, t, 3, DTYPE)
-    # rules.qhadam_moment_weights
-    grad_multiplier = tl.load(hyper)
-    coupled_weight_decay = tl.load(hyper + 1)
-    grad_to_exp_avg = tl.load(hyper + 2)
-    exp_avg_sq_decay = tl.load(hyper + 3)
-    grad_sq_to_exp_avg_sq = tl.load(hyper + 4)
-    # One row per tensor: FoldedQHAdam's weights, eps and values, and the decay factor.
-    row = coefficients + 6 * t
-    exp_avg_sq_weight = tl.load(row).to(COMPUTE)
-    grad_sq_weight = tl.load(row + 1).to(COMPUTE)
-    eps = tl.load(row + 2).to(COMPUTE)
-    exp_avg_value = tl.load(row + 3).to(COMPUTE)
-    grad_value = tl.load(row + 4).to(COMPUTE)
-    decay = tl.load(row + 5).to(COMPUTE)
+    # rules.FoldedQHAdam's weights, eps and values, rules.decoupled_decay_factor,
+    # maximize's sign, coupled decay and rules.qhadam_moment_weights (the order
+    # of _QHADAM_VALUES): scalars, one table row for the group (row_stride 0),
+    # or one row per tensor.
+    row = table + t * row_stride
+    exp_avg_sq_weight = _coefficient(exp_avg_sq_weight, row, 0, IN_TABLE, COMPUTE)
+    grad_sq_weight = _coefficient(grad_sq_weight, row, 1, IN_TABLE, COMPUTE)
+    eps = _coefficient(eps, row, 2, IN_TABLE, COMPUTE)
+    exp_avg_value = _coefficient(exp_avg_value, row, 3, IN_TABLE, COMPUTE)
+    grad_value = _coefficient(grad_value, row, 4, IN_TABLE, COMPUTE)
+    decay = _coefficient(decay, row, 5, IN_TABLE, COMPUTE)
+    grad_multiplier = _coefficient(grad_multiplier, row, 6, IN_TABLE, COMPUTE)
+    coupled_weight_decay = _coefficient(coupled_weight_decay, row, 7, IN_TABLE, COMPUTE)
+    grad_to_exp_avg = _coefficient(grad_to_exp_avg, row, 8, IN_TABLE, COMPUTE)
+    exp_avg_sq_decay = _coefficient(exp_avg_sq_decay, row, 9, IN_TABLE, COMPUTE)
+    grad_sq_to_exp_avg_sq = _coefficient(grad_sq_to_exp_avg_sq, row, 10, IN_TABLE, COMPUTE)
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                    HAS_SCALE, COMPUTE)  # fmt: skip
     m = _lerp(tl.load(m_ptr + offs, mask=mask).to(COMPUTE), g, grad_to_exp_avg)
     s = exp_avg_sq_decay * tl.load(s_ptr + offs, mask=mask).to(COMPUTE)
     s = s + grad_sq_to_exp_avg_sq * g * g
+    # What the denominator reads: the second moment, or (AMSGrad) its running
+    # maximum, rules.amsgrad_maximum (NaN if either is NaN, as torch.maximum).
+    d = s
+    if AMSGRAD:
+        v_ptr = _address(addrs, n_tensors, t, 4, DTYPE)
+        v = tl.load(v_ptr + offs, mask=mask).to(COMPUTE)
+        d = tl.where((v != v) | (s != s), v + s, tl.maximum(v, s))
+        tl.store(v_ptr + offs, d.to(DTYPE), mask=mask)
     if FORM == 0:
-        base = tl.sqrt(exp_avg_sq_weight * s)
+        base = tl.sqrt(exp_avg_sq_weight * d)
     elif FORM == 1:
         base = tl.sqrt(grad_sq_weight * (g * g))
     else:
-        base = tl.sqrt(exp_avg_sq_weight * s + grad_sq_weight * (g * g))
+        base = tl.sqrt(exp_avg_sq_weight * d + grad_sq_weight * (g * g))
     p = p * decay + (exp_avg_value * m + grad_value * g) / (base + eps)
     tl.store(m_ptr + offs, m.to(DTYPE), mask=mask)
     tl.store(s_ptr + offs, s.to(DTYPE), mask=mask)
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
-# Host scalars as small device tensors, one per distinct set of values: built
-# once (a CUDA graph replays the captured one), so no step copies to the device.
-_HYPER: dict[tuple[Any, ...], Tensor] = {}
+@triton.jit
+def _minus_expm1(x):
+    """``-expm1(x)`` in float64 (:func:`qhoptim.rules.bias_correction`'s form, which
+    Triton's language lacks): its series where ``|x| < 1e-2`` (truncated after
+    ``x**7``: 2e-19 relative), ``1 - exp(x)`` beyond (1e-14 relative)."""
+    series = x * (
+        1 + x * (0.5 + x * (1 / 6 + x * (1 / 24 + x * (1 / 120 + x * (1 / 720 + x / 5040)))))
+    )
+    return -tl.where(tl.abs(x) < 1e-2, series, tl.exp(x) - 1)
 
 
-def _hyper(values: tuple[float, ...], like: Tensor) -> Tensor:
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    key = (values, dtype, like.device)
-    tensor = _HYPER.get(key)
-    if tensor is None:
-        if len(_HYPER) >= _MAX_TABLES:
-            _HYPER.pop(next(iter(_HYPER)))
-        # Through float64: a value beyond float32's range (lr = 1e308) becomes
-        # inf as IEEE arithmetic rounds it; torch.tensor(..., float32) refuses it.
-        tensor = _HYPER[key] = torch.tensor(values, dtype=torch.float64).to(like.device, dtype)
-    return tensor
+@triton.jit(**_JIT)
+def _qhadam_rows_kernel(
+    counts, rows, hyper, lr_ptr, inf_ptr,
+    LR_ON_DEVICE: tl.constexpr, DECOUPLED: tl.constexpr, GRAD_TERM: tl.constexpr,
+    HAS_INF: tl.constexpr,
+):  # fmt: skip
+    """A capturable step's coefficients, on the device, one row per tensor (program):
+    its step count advanced (but for a step GradScaler found an inf in), then
+    ``_qhadam_kernel``'s row from it -- rules.qhadam_coefficients' weights over
+    the bias corrections, times ``-lr`` (rules.fold_qhadam, not factored out)."""
+    t = tl.program_id(0)
+    count_ptr = tl.load(counts + t).to(tl.pointer_type(tl.float32))
+    count = tl.load(count_ptr)
+    if HAS_INF:
+        count = count + tl.where(tl.load(inf_ptr) == 0, 1.0, 0.0)
+    else:
+        count = count + 1.0
+    tl.store(count_ptr, count)
+    step = count.to(tl.float64)
+    # hyper: log(beta1), log(beta2), and rules.qhadam_coefficients at bias
+    # corrections of 1 (grad_weight, exp_avg_weight, grad_sq_weight,
+    # exp_avg_sq_weight), eps, weight_decay, lr, then _constants(hp).
+    bias_correction1 = _minus_expm1(step * tl.load(hyper))
+    bias_correction2 = _minus_expm1(step * tl.load(hyper + 1))
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float64)
+    else:
+        lr = tl.load(hyper + 8)
+    row = rows + 11 * t
+    tl.store(row, tl.load(hyper + 5) / bias_correction2)
+    tl.store(row + 1, tl.load(hyper + 4))
+    tl.store(row + 2, tl.load(hyper + 6))
+    tl.store(row + 3, -lr * (tl.load(hyper + 3) / bias_correction1))
+    if GRAD_TERM:
+        tl.store(row + 4, -lr * tl.load(hyper + 2))
+    else:
+        tl.store(row + 4, 0.0)
+    if DECOUPLED:
+        tl.store(row + 5, 1 - lr * tl.load(hyper + 7))
+    else:
+        tl.store(row + 5, 1.0)
+    for k in tl.static_range(5):
+        tl.store(row + 6 + k, tl.load(hyper + 9 + k))
 
 
-def _launch_args(
+# ----------------------------------------------------------------- launching
+# Triton's launch of a jitted function binds and specializes every argument
+# anew (tens of microseconds a launch, the largest part of a small step's host
+# work). The kernels here are compiled for their constexprs and argument dtypes
+# only (no specialization on an integer's value or a pointer's alignment), so
+# the compiled kernel of a set of those is launched directly, with every
+# argument in the signature's order (as Triton's own launch passes them, since
+# Triton 3.2). Not under the interpreter, which has no compiled kernels.
+_DIRECT = (
+    not _INTERPRETED
+    and _TRITON_VERSION >= (3, 2)
+    and "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+)
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+
+
+def _launch(kernel: Any, grid: int, *args: Any, **kwargs: Any) -> None:
+    """Launch ``kernel`` on ``grid`` programs with ``args`` and the constexprs and
+    options ``kwargs`` (one place, so that a benchmark can time a step's host
+    work without it)."""
+    if not _DIRECT:
+        kernel[(grid,)](*args, **kwargs)
+        return
+    types = tuple([a.dtype if isinstance(a, Tensor) else type(a) for a in args])
+    key = (kernel, args[0].device, types, *kwargs.items())
+    compiled = _COMPILED.get(key)
+    if compiled is None:  # the first launch of these: compiled, or found in Triton's caches
+        _remember(_COMPILED, key, kernel[(grid,)](*args, **kwargs))
+        return
+    constexprs = [kwargs[name] for name in kernel.arg_names[len(args) :]]
+    compiled[(grid, 1, 1)](*args, *constexprs)
+
+
+def _flags(
     params: list[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None
 ) -> dict[str, Any]:
     dtype = params[0].dtype
@@ -213,14 +427,56 @@ def _launch_args(
     }
 
 
-def _check(params: list[Tensor], *others: list[Tensor]) -> None:
-    for ts in (params, *others):
-        for t in ts:
-            if not t.is_contiguous() or t.dtype != params[0].dtype:
-                raise RuntimeError(
-                    "fused=True on CUDA needs contiguous parameters, gradients and state "
-                    "of the parameter's dtype"
-                )
+def _layout(lists: list[list[Tensor]]) -> tuple[Tensor, _Blocks, list[Tensor]] | None:
+    """The address table and the blocks of ``lists`` (parameters, gradients, state),
+    and the gradients the table holds (copies of any that overlap their
+    parameters); None when the lists hold no element."""
+    device = lists[0][0].device
+    blocks = _blocks(lists[0], device)
+    if blocks.block_tensor.numel() == 0:
+        return None
+    addresses, grads = _addresses(lists, device)
+    return addresses, blocks, grads
+
+
+def _scalars(values: tuple[Any, ...], like: Tensor) -> tuple[Tensor, tuple[float, ...]]:
+    """``values`` as the launch takes them: the launch's float32 scalars, or for
+    float64 parameters a float64 table on the device (and zeros as scalars)."""
+    if like.dtype == torch.float64:
+        return _values(tuple(map(float, values)), like.device), (0.0,) * len(values)
+    return like, tuple(_as_float32(float(v)) for v in values)
+
+
+def _one_row(
+    hp: _tensors.QHAdamHyperparameters, step: float, like: Tensor
+) -> tuple[Tensor, tuple[float, ...]]:
+    """:func:`_scalars` of the group's one row of coefficients at ``step``."""
+    if like.dtype == torch.float64:
+        return _scalars(_host_rows(hp, [step])[0], like)
+    return like, _float32_row(hp, step)
+
+
+@functools.lru_cache(maxsize=256)
+def _float32_row(hp: _tensors.QHAdamHyperparameters, step: float) -> tuple[float, ...]:
+    """The launch's float32 scalars at ``step``, kept: a step's coefficients are
+    those of a few hyperparameters and its number, and recur (bias corrections
+    stop changing in float32 after a few thousand steps)."""
+    return tuple(_as_float32(float(v)) for v in _host_rows(hp, [step])[0])
+
+
+def _sign(hp: Any) -> float:
+    return -1.0 if hp.maximize else 1.0
+
+
+def _coupled(hp: Any) -> float:
+    return 0.0 if hp.decoupled_weight_decay else hp.weight_decay
+
+
+def _decay_factor(hp: Any) -> Any:
+    """:func:`qhoptim.rules.decoupled_decay_factor`, or 1 without decoupled decay."""
+    if hp.decoupled_weight_decay and hp.weight_decay != 0:
+        return rules.decoupled_decay_factor(hp.lr, hp.weight_decay)
+    return 1.0
 
 
 def qhm_(
@@ -232,36 +488,57 @@ def qhm_(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
 ) -> None:
-    """One fused QHM step over CUDA tensors of one device and dtype."""
-    _check(params, grads, momentum_buffers)
-    c = rules.qhm_coefficients(hp.momentum, hp.nu)
-    addrs, numels, block_tensor, block_start = _table([params, grads, momentum_buffers])
-    if block_tensor.numel() == 0:  # only empty tensors
+    """One fused QHM step over tensors of one device and dtype, contiguous."""
+    layout = _layout([params, grads, momentum_buffers])
+    if layout is None:  # only empty tensors
         return
-    coupled = 0.0 if hp.decoupled_weight_decay else hp.weight_decay
-    decay: Any = 1.0
-    if hp.decoupled_weight_decay and hp.weight_decay != 0:
-        decay = rules.decoupled_decay_factor(hp.lr, hp.weight_decay)
-    values = (decay, *rules.fold_qhm(c, hp.lr))
+    addresses, blocks, _grads = layout  # _grads: alive until the launch has read them
+    c = rules.qhm_coefficients(hp.momentum, hp.nu)
+    # The order the kernel reads them in (_qhm_kernel).
+    values = (
+        _decay_factor(hp),
+        *rules.fold_qhm(c, hp.lr),
+        _sign(hp),
+        _coupled(hp),
+        c.grad_to_buffer,
+    )
+    scalars: tuple[float, ...]
     if isinstance(hp.lr, Tensor):  # evaluated on the device: nothing is read back
-        like = hp.lr.to(params[0].device, torch.float64 if _is_float64(params) else torch.float32)
-        folded = torch.stack([torch.zeros_like(like) + v for v in values])
+        like = hp.lr.to(params[0].device, torch.float64)
+        table, scalars = torch.stack([torch.zeros_like(like) + v for v in values]), (0.0,) * 6
     else:
-        folded = _hyper(values, params[0])
-    _qhm_kernel[(block_tensor.numel(),)](
-        addrs,
-        numels,
-        block_tensor,
-        block_start,
+        table, scalars = _scalars(values, params[0])
+    _launch(
+        _qhm_kernel,
+        blocks.block_tensor.numel(),
+        addresses,
+        *blocks,
         len(params),
-        _hyper((-1.0 if hp.maximize else 1.0, coupled, c.grad_to_buffer), params[0]),
-        folded,
-        **_launch_args(params, grad_scale, found_inf),
+        table,
+        *scalars,
+        IN_TABLE=table is not params[0],
+        **_flags(params, grad_scale, found_inf),
     )
 
 
-def _is_float64(params: list[Tensor]) -> bool:
-    return params[0].dtype == torch.float64
+def _constants(hp: _tensors.QHAdamHyperparameters) -> tuple[float, ...]:
+    """The kernel's coefficients that no step changes: maximize's sign, coupled decay
+    and :func:`qhoptim.rules.qhadam_moment_weights` (``_qhadam_kernel``'s 7th to 11th)."""
+    w = rules.qhadam_moment_weights(hp.beta1, hp.beta2)
+    return _sign(hp), _coupled(hp), w.grad_to_exp_avg, w.exp_avg_sq_decay, w.grad_sq_to_exp_avg_sq
+
+
+def _host_rows(hp: _tensors.QHAdamHyperparameters, steps: list[float]) -> list[tuple[float, ...]]:
+    """The kernel's coefficients of each step number, in ``_qhadam_kernel``'s order:
+    :func:`qhoptim.torch._kernels.host_fold`'s, the decay factor, :func:`_constants`."""
+    lr = float(hp.lr)
+    per_group = (_decay_factor(hp._replace(lr=lr)), *_constants(hp))
+    rows: dict[float, tuple[float, ...]] = {}
+    for t in steps:
+        if t not in rows:
+            fold = _kernels.host_fold(t, lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps)
+            rows[t] = (*fold[1:], *per_group)
+    return [rows[t] for t in steps]
 
 
 def qhadam_(
@@ -269,43 +546,116 @@ def qhadam_(
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    state_steps: list[Tensor],
+    max_exp_avg_sqs: list[Tensor] | None,
+    steps: list[float] | list[Tensor],
     hp: _tensors.QHAdamHyperparameters,
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
 ) -> None:
-    """One fused QHAdam step over CUDA tensors of one device and dtype.
+    """One fused QHAdam step over tensors of one device and dtype, contiguous.
 
-    ``state_steps`` (on the device) are incremented here; a step GradScaler
-    found an inf in takes them back, as torch's fused Adam does.
+    ``steps``: the number of the step being taken, per tensor, as Python
+    numbers (the caller has advanced the counts; ``found_inf`` must then be
+    None: a skipped step is the caller's to skip), or the step counts as
+    tensors on the device (a capturable step), advanced here -- but for a step
+    GradScaler found an inf in, as torch's fused Adam does. With
+    ``hp.amsgrad``, ``max_exp_avg_sqs`` are the running maxima.
     """
-    _check(params, grads, exp_avgs, exp_avg_sqs)
-    torch._foreach_add_(state_steps, 1)
-    if found_inf is not None:
-        torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
-    coefficients = _kernels.device_coefficients(state_steps, params[0], hp)
-    w = rules.qhadam_moment_weights(hp.beta1, hp.beta2)
-    addrs, numels, block_tensor, block_start = _table([params, grads, exp_avgs, exp_avg_sqs])
-    if block_tensor.numel() == 0:  # only empty tensors
+    lists = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if hp.amsgrad else [])]
+    on_device = isinstance(steps[0], Tensor) if steps else False
+    if not on_device and found_inf is not None:
+        raise ValueError("steps as numbers: a step GradScaler skips is the caller's to skip")
+    counts = cast(list[Tensor], steps) if on_device else []
+    scalars: tuple[float, ...] = (0.0,) * 11
+    if on_device and all(c.dtype == torch.float32 for c in counts):
+        table = _device_rows(counts, hp, found_inf)  # advances the counts
+        row_stride = 11
+    elif on_device or isinstance(hp.lr, Tensor):
+        if on_device:  # counts of another dtype (a functional call's): torch operations
+            torch._foreach_add_(counts, 1)
+            if found_inf is not None:
+                torch._foreach_sub_(counts, [found_inf] * len(counts))
+        device_steps = counts if on_device else _on_device(steps, params[0])
+        table = _kernels.device_coefficients(device_steps, params[0], hp, *_constants(hp))
+        row_stride = table.shape[1]
+    else:
+        numbers = [float(t) for t in steps]
+        if numbers.count(numbers[0]) == len(numbers):  # one step for the group: the normal case
+            table, scalars = _one_row(hp, numbers[0], params[0])
+            row_stride = 0
+        else:  # tensors that missed steps: a row each
+            rows = _host_rows(hp, numbers)
+            table = torch.tensor(rows, dtype=torch.float64).to(params[0].device)
+            row_stride = 11
+    layout = _layout(cast(list[list[Tensor]], lists))
+    if layout is None:  # only empty tensors
         return
-    _qhadam_kernel[(block_tensor.numel(),)](
-        addrs,
-        numels,
-        block_tensor,
-        block_start,
+    addresses, blocks, _grads = layout  # _grads: alive until the launch has read them
+    _launch(
+        _qhadam_kernel,
+        blocks.block_tensor.numel(),
+        addresses,
+        *blocks,
         len(params),
-        coefficients,
-        _hyper(
-            (
-                -1.0 if hp.maximize else 1.0,
-                0.0 if hp.decoupled_weight_decay else hp.weight_decay,
-                w.grad_to_exp_avg,
-                w.exp_avg_sq_decay,
-                w.grad_sq_to_exp_avg_sq,
-            ),
-            params[0],
-        ),
+        table,
+        row_stride,
+        *scalars,
         FORM=_kernels.DENOMINATOR_FORMS[rules.qhadam_denominator(hp.nu2)],
-        **_launch_args(params, grad_scale, found_inf),
+        AMSGRAD=hp.amsgrad,
+        IN_TABLE=table is not params[0],
+        **_flags(params, grad_scale, found_inf if on_device else None),
     )
+
+
+# Each group's rows of device coefficients (a capturable step's): one buffer
+# per device and size, which a CUDA graph replays in place.
+_ROWS: dict[tuple[Any, ...], Tensor] = {}
+
+
+def _device_rows(
+    counts: list[Tensor], hp: _tensors.QHAdamHyperparameters, found_inf: Tensor | None
+) -> Tensor:
+    """The rows of a capturable step, ``[tensors, 11]`` float64 on the device, made
+    by one launch that also advances the step counts (``_qhadam_rows_kernel``)."""
+    device = counts[0].device
+    key = (device, len(counts))
+    rows = _ROWS.get(key)
+    if rows is None:
+        rows = _remember(
+            _ROWS, key, torch.empty(len(counts), 11, dtype=torch.float64, device=device)
+        )
+    c = rules.qhadam_coefficients(hp.nu1, hp.nu2, 1.0, 1.0)
+    lr_on_device = isinstance(hp.lr, Tensor)
+    hyper = _values(
+        (
+            math.log(hp.beta1) if hp.beta1 > 0 else -math.inf,
+            math.log(hp.beta2) if hp.beta2 > 0 else -math.inf,
+            *c,
+            hp.eps,
+            hp.weight_decay,
+            0.0 if lr_on_device else float(hp.lr),
+            *_constants(hp),
+        ),
+        device,
+    )
+    lr = hp.lr.to(device) if lr_on_device else hyper
+    _launch(
+        _qhadam_rows_kernel,
+        len(counts),
+        _table(_pointers([counts]), 1, device),
+        rows,
+        hyper,
+        lr,
+        found_inf if found_inf is not None else hyper,
+        LR_ON_DEVICE=lr_on_device,
+        DECOUPLED=bool(hp.decoupled_weight_decay and hp.weight_decay != 0),
+        GRAD_TERM=hp.nu1 != 1,
+        HAS_INF=found_inf is not None,
+    )
+    return rows
+
+
+def _on_device(steps: list[Any], like: Tensor) -> list[Tensor]:
+    """Host step numbers as 0-d float32 tensors on ``like``'s device (a tensor lr)."""
+    return list(torch.tensor([float(t) for t in steps], dtype=torch.float32).to(like.device))

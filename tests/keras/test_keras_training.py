@@ -253,7 +253,7 @@ def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch, *, fused: bool = False)
     from qhoptim.torch import _fused, _kernels
 
     module, kernels = (
-        (_fused, ("fused_qhm", "fused_qhadam_cpu_"))
+        (_fused, ("fused_qhm", "fused_qhadam_host_steps"))
         if fused
         else (_kernels, ("foreach_qhm", "foreach_qhadam"))
     )

@@ -36,8 +36,7 @@ CONFIGS: list[tuple[type, dict[str, Any]]] = [
     (QHAdam, {"lr": 0.01, "nus": (-0.2, 0.0), "maximize": True}),
     (QHAdam, {"lr": 0.01, "nus": (1.0, 1.0), "eps": 0.0}),
     (QHAdamW, {"lr": 0.01, "nus": (0.7, 0.9), "weight_decay": 0.1}),
-    # AMSGrad: the fused CPU kernel keeps the running maximum; the CUDA
-    # (Triton) kernels have none and refuse it (_refused_on_cuda).
+    # AMSGrad: the running maximum, in the C++ and the Triton kernels alike.
     (QHAdam, {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.7, 1.0), "amsgrad": True}),
     (QHAdam, {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.8, 0.6), "eps": 1e-3, "amsgrad": True}),
     (QHAdamW, {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.7, 0.0), "amsgrad": True}),
@@ -50,15 +49,6 @@ def _configs(*indices: int) -> Any:
     return pytest.mark.parametrize(
         ("cls", "kwargs"), [CONFIGS[i] for i in indices], ids=[IDS[i] for i in indices]
     )
-
-
-def _refused_on_cuda(cls: type, kwargs: dict[str, Any], device: str) -> bool:
-    """``fused=True, amsgrad=True`` on CUDA: check the clear error, and skip the run."""
-    if device != "cuda" or not kwargs.get("amsgrad"):
-        return False
-    with pytest.raises(ValueError, match="amsgrad=True is not supported for CUDA parameters"):
-        cls(_params(device=device), **kwargs, fused=True)
-    return True
 
 
 def _params(
@@ -85,8 +75,6 @@ def _run(opt: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) 
 def test_fused_follows_the_float64_reference(
     cls: type, kwargs: dict[str, Any], device: str
 ) -> None:
-    if _refused_on_cuda(cls, kwargs, device):
-        return
     params = _params(device=device)
     params0 = [p.detach().cpu().clone() for p in params]
     grads = random_grads(SHAPES, 25)
@@ -100,8 +88,6 @@ def test_fused_follows_the_float64_reference(
 def test_fused_equals_foreach_to_rounding_over_100_float32_steps(
     cls: type, kwargs: dict[str, Any], device: str
 ) -> None:
-    if _refused_on_cuda(cls, kwargs, device):
-        return
     grads = random_grads(SHAPES, 100)
     runs = {}
     for impl in ({"fused": True}, {"foreach": True}):
@@ -179,8 +165,6 @@ def test_tensor_lr_and_strided_params(cls: type, device: str) -> None:
 def test_low_precision_params_are_computed_in_float32(
     cls: type, kwargs: dict[str, Any], dtype: torch.dtype, device: str
 ) -> None:
-    if _refused_on_cuda(cls, kwargs, device):
-        return
     # One step from the same low-precision values: the fused step computes in
     # float32 and rounds once, so it is the float32 step rounded to ``dtype``
     # (to one unit in the last place: float32 rounding in between may differ).
@@ -201,8 +185,6 @@ def test_low_precision_params_are_computed_in_float32(
 def test_grad_scaler_unscales_inside_the_step_and_skips_infs(
     cls: type, kwargs: dict[str, Any], device: str
 ) -> None:
-    if _refused_on_cuda(cls, kwargs, device):
-        return
     # GradScaler hands a fused optimizer grad_scale and found_inf instead of
     # unscaling the grads itself: the step must equal an unscaled step, and a
     # step with an inf gradient must leave parameters and state untouched.
@@ -258,41 +240,36 @@ def test_fused_refuses_what_it_cannot_do(cls: type) -> None:
         opt.step()
 
 
-def test_fused_amsgrad_is_refused_on_cuda_with_a_clear_error() -> None:
-    # The check itself, on CPU (the CUDA-only tests construct on a device).
-    from types import SimpleNamespace
-
-    from qhoptim.torch import _fused
-
-    _fused.check_fused_amsgrad(_params())  # CPU: the C++ kernel has AMSGrad
-    fake = SimpleNamespace(device=torch.device("cuda"))
-    with pytest.raises(ValueError) as info:
-        _fused.check_fused_amsgrad([fake])  # type: ignore[list-item]
-    message = str(info.value)
-    assert "fused=True with amsgrad=True" in message and "foreach=True" in message
-
-
 def test_fused_none_keeps_the_default_implementation() -> None:
     opt = QHAdam(_params(), fused=None)
     assert opt.defaults["fused"] is None
     assert not getattr(opt, "_step_supports_amp_scaling", False)
 
 
-def test_fused_qhadam_keeps_its_step_count_on_the_param_device_as_float32() -> None:
-    params = _params()
-    opt = QHAdam(params, fused=True)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("capturable", [False, True])
+def test_fused_qhadam_keeps_float32_step_counts_on_the_host_unless_capturable(
+    device: str, capturable: bool
+) -> None:
+    # The host reads the counts of a step that is not capturable without a
+    # synchronization; a capturable step keeps them on the device, as torch's.
+    params = _params(device=device)
+    opt = QHAdam(params, fused=True, capturable=capturable)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
     opt.step()
     for p in params:
         step = opt.state[p]["step"]
-        assert step.dtype == F32 and step.device == p.device and float(step) == 2.0
+        where = p.device if capturable else torch.device("cpu")
+        assert step.dtype == F32 and step.device == where and float(step) == 2.0
 
 
 # --------------------------------------------------- the CPU kernel's build
 def test_missing_compiler_or_ninja_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the C++ kernel, not Triton's
 
     from qhoptim.torch import _extension
 
@@ -312,11 +289,12 @@ def test_missing_compiler_or_ninja_is_a_clear_error(monkeypatch: pytest.MonkeyPa
     _extension.cpu_extension.cache_clear()  # built (or loaded from disk) again when next needed
 
 
-def test_changing_lr_never_rebuilds_the_kernel() -> None:
+def test_changing_lr_never_rebuilds_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     # The per-step scalars (lr, bias corrections) are arguments of the
     # compiled kernel, never part of what is compiled: one build for every step.
     from qhoptim.torch import _extension
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the C++ kernel, not Triton's
     params = _params(F32)
     opt = QHAdam(params, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.9**t)

@@ -1,0 +1,206 @@
+"""``fused=True`` through the Triton kernels: CUDA tensors, or CPU tensors under
+Triton's interpreter (``TRITON_INTERPRET=1``, the ``triton`` nox session).
+
+What the Triton path adds to ``test_torch_fused.py``'s checks (which that
+session runs through the same kernels): one launch per device and dtype and
+nothing else on the device, tables reused while the tensors stay put,
+coefficients per tensor where step counts differ, the capturable path's
+device coefficients, many small and empty tensors, and host coefficients beyond
+float32's range.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import pytest
+import torch
+from qh_torch_testing import assert_trajectories_close, random_grads, reference_trajectory
+
+from qhoptim.torch import QHM, QHAdam, QHAdamW
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if torch.cuda.is_available() and HAS_TRITON:
+    DEVICE = "cuda"
+elif INTERPRETED and HAS_TRITON:
+    DEVICE = "cpu"
+else:
+    DEVICE = None
+pytestmark = pytest.mark.skipif(
+    DEVICE is None, reason="needs CUDA, or Triton's interpreter (TRITON_INTERPRET=1)"
+)
+
+F32, F64 = torch.float32, torch.float64
+CONFIGS: list[tuple[type, dict[str, Any]]] = [
+    (QHM, {"lr": 0.5, "momentum": 0.9, "nu": 0.7, "weight_decay": 0.1}),
+    (QHM, {"lr": 0.5, "nu": 1.3, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (QHAdam, {"lr": 0.01, "nus": (0.7, 1.0), "betas": (0.995, 0.999)}),
+    (QHAdam, {"lr": 0.01, "nus": (0.8, 0.7), "weight_decay": 0.1, "maximize": True}),
+    (QHAdamW, {"lr": 0.01, "nus": (0.7, 0.0), "weight_decay": 0.1}),
+    (QHAdam, {"lr": 0.01, "betas": (0.9, 0.9), "nus": (0.8, 0.6), "amsgrad": True}),
+]
+IDS = [f"{cls.__name__}-{i}" for i, (cls, _) in enumerate(CONFIGS)]
+ADAM = [i for i, (cls, _) in enumerate(CONFIGS) if cls is not QHM]
+
+
+def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype = F64) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype).to(DEVICE)) for s in shapes
+    ]
+
+
+def _run(opt: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> list[Any]:
+    out = []
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = None if g is None else g.to(p.device, p.dtype).clone()
+        opt.step()
+        out.append([p.detach().cpu().numpy().copy() for p in params])
+    return out
+
+
+def _launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each Triton launch's kernel."""
+    from qhoptim.torch import _triton
+
+    calls: list[str] = []
+    original = _triton._launch
+
+    def launch(kernel: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(kernel.__name__ if hasattr(kernel, "__name__") else str(kernel))
+        original(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(_triton, "_launch", launch)
+    return calls
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_one_launch_per_device_and_dtype_and_tables_reused(
+    cls: type, kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qhoptim.torch import _triton
+
+    shapes = [(4, 3), (7,), (2, 3, 5), (0,), (1,)]
+    params = [*_params(shapes, F32), *_params(shapes[:2], F64)]
+    opt = cls(params, **kwargs, fused=True)
+    grads = [[torch.randn(p.shape, dtype=p.dtype) for p in params] for _ in range(3)]
+    _run(opt, params, grads[:1])
+    launches = _launches(monkeypatch)
+    blocks, addresses = dict(_triton._BLOCKS), dict(_triton._ADDRESSES)
+    for step_grads in grads[1:]:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad.copy_(g)  # the gradients stay where they are
+        opt.step()
+    assert len(launches) == 2 * 2  # float32 and float64, each step
+    assert _triton._BLOCKS == blocks and _triton._ADDRESSES == addresses
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_many_small_and_empty_tensors_follow_the_reference(
+    cls: type, kwargs: dict[str, Any]
+) -> None:
+    # 300 tensors of 0 to 4 values and one of several blocks: one launch, whose
+    # blocks' table maps each program to its tensor.
+    shapes = [(i % 5,) for i in range(300)] + [(2500,)]
+    params = _params(shapes)
+    params0 = [p.detach().cpu().clone() for p in params]
+    grads = random_grads(shapes, 4)
+    got = _run(cls(params, **kwargs, fused=True), params, grads)
+    want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
+    assert_trajectories_close(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[i] for i in ADAM], ids=[IDS[i] for i in ADAM])
+def test_step_counts_that_differ_take_a_row_each(cls: type, kwargs: dict[str, Any]) -> None:
+    # A parameter without a gradient misses a step: its count falls behind,
+    # and its coefficients differ from the others' (one row per tensor).
+    shapes = [(3, 2), (5,), (4,)]
+    grads = random_grads(shapes, 6)
+    for t in (1, 3):
+        grads[t][1] = None  # type: ignore[call-overload]
+    runs = []
+    for impl in ({"fused": True}, {"foreach": True}):
+        params = _params(shapes)
+        runs.append(_run(cls(params, **kwargs, **impl), params, grads))
+    for a_step, b_step in zip(*runs, strict=True):
+        for a, b in zip(a_step, b_step, strict=True):
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[i] for i in ADAM], ids=[IDS[i] for i in ADAM])
+@pytest.mark.parametrize("lr_on_device", [False, True], ids=["lr-number", "lr-tensor"])
+def test_capturable_steps_follow_the_reference(
+    cls: type, kwargs: dict[str, Any], lr_on_device: bool
+) -> None:
+    # Step counts on the device, coefficients evaluated there from them.
+    shapes = [(4, 3), (7,), (0,)]
+    params = _params(shapes)
+    params0 = [p.detach().cpu().clone() for p in params]
+    grads = random_grads(shapes, 6)
+    lr = torch.tensor(kwargs["lr"], dtype=F64, device=DEVICE) if lr_on_device else kwargs["lr"]
+    opt = cls(params, **{**kwargs, "lr": lr}, fused=True, capturable=True)
+    got = _run(opt, params, grads)
+    for p in params:
+        assert opt.state[p]["step"].device == p.device
+    want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
+    assert_trajectories_close(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[i] for i in ADAM], ids=[IDS[i] for i in ADAM])
+@pytest.mark.parametrize("capturable", [False, True])
+def test_grad_scaler_skips_a_step_with_an_inf_and_leaves_the_counts(
+    cls: type, kwargs: dict[str, Any], capturable: bool
+) -> None:
+    params = _params([(4,), (3,)], F32)
+    opt = cls(params, **kwargs, fused=True, capturable=capturable)
+    scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**4)
+    for t in range(3):
+        for p in params:
+            p.grad = scaler.scale(torch.full_like(p, 0.5))
+        if t == 1:
+            params[0].grad[0] = torch.inf
+            before = [p.detach().clone() for p in params]
+        scaler.step(opt)
+        scaler.update()
+        if t == 1:
+            for p, b in zip(params, before, strict=True):
+                torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_coefficients_beyond_float32_complete_the_step_as_foreach(
+    cls: type, kwargs: dict[str, Any]
+) -> None:
+    # lr * nu = 1e308 overflows float32: the launch's scalar is inf, as IEEE
+    # arithmetic rounds it (and as the multi-tensor kernels' arithmetic gives).
+    runs = []
+    for impl in ({"fused": True}, {"foreach": True}):
+        params = _params([(3,), (2, 2)], F32)
+        opt = cls(params, **{**kwargs, "lr": 1e308}, **impl)
+        runs.append(_run(opt, params, random_grads([(3,), (2, 2)], 1)))
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), equal_nan=True)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="counts CUDA kernels (a GPU)")
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events:UserWarning")
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_a_step_runs_one_kernel_per_device_and_dtype_on_cuda(
+    cls: type, kwargs: dict[str, Any]
+) -> None:
+    params = [*_params([(64, 3), (5,)], F32), *_params([(7,)], torch.bfloat16)]
+    opt = cls(params, **kwargs, fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # warm: tables built, kernels compiled
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 2, [e.name for e in kernels]  # float32 and bfloat16
