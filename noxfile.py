@@ -219,6 +219,8 @@ def triton(session: nox.Session) -> None:
         session,
         "tests/torch/test_torch_fused.py",
         "tests/torch/test_torch_triton.py",
+        "tests/torch/test_torch_hardening.py",
+        "tests/torch/test_torch_parity.py",
         "-k",
         "not cuda",
         env=env,

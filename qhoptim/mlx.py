@@ -323,10 +323,13 @@ class QHM(_QHOptimizer):
             weight_decay=weight_decay,
             names={"lr": "learning_rate"},
         )
+        validation.check_bool(decoupled_weight_decay, "decoupled_weight_decay")
         super().__init__()  # type: ignore[no-untyped-call]
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
-        self.momentum, self.nu = momentum, nu
-        self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
+        # Concrete scalars (a NumPy float, a 0-d array) as the Python floats they hold.
+        self.momentum, self.nu = validation.as_float(momentum), validation.as_float(nu)
+        self.weight_decay = validation.as_float(weight_decay)
+        self.decoupled_weight_decay = decoupled_weight_decay
         self._set_state_dtype(state_dtype, stochastic_rounding)
 
     @classmethod
@@ -410,6 +413,7 @@ class QHAdam(_QHOptimizer):
         stochastic_rounding: bool | None = None,
     ) -> None:
         validation.check_bool(amsgrad, "amsgrad")
+        validation.check_bool(decoupled_weight_decay, "decoupled_weight_decay")
         b1, b2 = validation.check_pair(betas, "betas")
         nu1, nu2 = validation.check_pair(nus, "nus")
         validation.check_qhadam(
@@ -430,9 +434,13 @@ class QHAdam(_QHOptimizer):
         )
         super().__init__()  # type: ignore[no-untyped-call]
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
+        # Concrete scalars (a NumPy float, a 0-d array) as the Python floats they hold.
+        b1, b2, nu1, nu2, eps = map(validation.as_float, (b1, b2, nu1, nu2, eps))
         self.betas, self.nus, self.eps, self.amsgrad = (b1, b2), (nu1, nu2), eps, amsgrad
-        self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
+        self.weight_decay = validation.as_float(weight_decay)
+        self.decoupled_weight_decay = decoupled_weight_decay
         self._set_state_dtype(state_dtype, stochastic_rounding)
+        rounding.check_second_moment_dtype(_dtype_name(state_dtype))
 
     @classmethod
     def from_params(cls, params: convert.QHAdamParams, **kwargs: Any) -> QHAdam:

@@ -428,9 +428,9 @@ def scale_by_qhadam(
     b1, b2, nu1, nu2, eps = map(validation.as_float, (b1, b2, nu1, nu2, eps))
     mu_dtype = _canonical_dtype(mu_dtype)
     state_dtype = _state_dtype(state_dtype, stochastic_rounding, mu_dtype=mu_dtype)
-    stochastic = rounding.stochastic(
-        None if state_dtype is None else jnp.dtype(state_dtype).name, stochastic_rounding
-    )
+    state_name = None if state_dtype is None else jnp.dtype(state_dtype).name
+    rounding.check_second_moment_dtype(state_name)
+    stochastic = rounding.stochastic(state_name, stochastic_rounding)
 
     def init_fn(params: optax.Params) -> ScaleByQHAdamState | ScaleByQHAdamAmsgradState:
         if state_dtype is not None:

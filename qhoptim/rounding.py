@@ -48,6 +48,7 @@ __all__ = [
     "Bits",
     "check_narrower",
     "check_real",
+    "check_second_moment_dtype",
     "check_state_dtype",
     "check_stochastic_rounding",
     "eight_bit_levels",
@@ -192,6 +193,26 @@ def check_state_dtype(name: str | None, received: object, *, allowed: tuple[str,
         f"state_dtype must be None or one of {', '.join(allowed)}; "
         f"received state_dtype={received!r}"
     )
+
+
+def check_second_moment_dtype(name: str | None) -> None:
+    """Refuse float16 for QHAdam's second moment (``name``: the state dtype's name).
+
+    float16 holds ``|g|**2`` only from about 6e-8 (its smallest subnormal) to
+    65504, i.e. gradients of magnitude about 2.4e-4 to 256: below, the second
+    moment is stored as 0 and the step divides by ``eps`` alone (at ``|g|`` of
+    1e-3 a trajectory ended 50x off the float32-state run); above, it is inf
+    and the coordinate stops moving. bfloat16 has float32's range at the same
+    two bytes. QHM's buffer (and QHAdam's first moment) hold gradients, not
+    their squares, and take float16.
+    """
+    if name == "float16":
+        raise ValueError(
+            "state_dtype=float16 cannot hold QHAdam's second moment: float16 keeps "
+            "|g|**2 only from 6e-08 to 65504 (|g| from 2.4e-04 to 256) and stores it "
+            "as 0 or inf outside; use bfloat16 (float32's range in the same 2 bytes) "
+            "or float32"
+        )
 
 
 def check_narrower(state_dtype: str, state_bytes: int, param_dtype: str, param_bytes: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from qhoptim import convert, validation
+from qhoptim import convert, rounding, validation
 from qhoptim.keras._base import QHOptimizer, as_float, documented, learning_rate_value
 from qhoptim.keras._step import bias_correction_dtype, qhadam_amsgrad_step, qhadam_step
 
@@ -142,6 +142,7 @@ class QHAdam(QHOptimizer):
         self.epsilon = as_float(epsilon)
         self.amsgrad = amsgrad
         self._set_state_dtype(state_dtype, stochastic_rounding)
+        rounding.check_second_moment_dtype(self.state_dtype)
 
     @classmethod
     def from_params(cls, params, **kwargs):

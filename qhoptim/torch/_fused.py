@@ -38,33 +38,51 @@ from qhoptim.torch import _kernels, _tensors
 from qhoptim.torch._extension import cpu_extension, cpu_kernel_available
 from qhoptim.torch._tensors import (
     group_by_device_and_dtype,
+    local_shard,
     local_shards,
     runs_triton,
 )
 
 __all__ = [
     "check_fused",
+    "check_fused_device",
     "fused_qhadam",
     "fused_qhadam_host_steps",
     "fused_qhm",
     "kernel_available",
+    "skipped",
 ]
 
 _DEVICES = ("cpu", "cuda")
 
 
 def check_fused(params: list[Tensor], *, foreach: bool | None, differentiable: bool) -> None:
-    """Refuse what ``fused=True`` cannot do, with torch's own wording where it has one."""
+    """Refuse what ``fused=True`` cannot do, with torch's own wording where it has one.
+
+    A parameter's device is checked when its state is made, at its first step
+    (:func:`check_fused_device`), as torch does: a model built on ``meta`` and
+    materialized later (``to_empty``) takes a fused optimizer built before that.
+    """
     if foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     if differentiable:
         raise RuntimeError("`fused` does not support `differentiable`")
     for p in params:
-        if p.device.type not in _DEVICES or not torch.is_floating_point(p):
-            raise RuntimeError(
-                "`fused=True` requires all the params to be floating point Tensors of "
-                f"supported devices: {list(_DEVICES)}; received a {p.dtype} tensor on {p.device}"
-            )
+        if not torch.is_floating_point(p):
+            raise _unsupported(p)
+
+
+def check_fused_device(param: Tensor) -> None:
+    """Refuse a parameter on a device the fused kernels do not run on."""
+    if local_shard(param).device.type not in _DEVICES or not torch.is_floating_point(param):
+        raise _unsupported(param)
+
+
+def _unsupported(p: Tensor) -> RuntimeError:
+    return RuntimeError(
+        "`fused=True` requires all the params to be floating point Tensors of "
+        f"supported devices: {list(_DEVICES)}; received a {p.dtype} tensor on {p.device}"
+    )
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -93,7 +111,7 @@ def _triton() -> Any:
     return kernels
 
 
-def _skip(found_inf: Tensor | None) -> bool:
+def skipped(found_inf: Tensor | None) -> bool:
     """Whether GradScaler found an inf or NaN gradient, read on the host (on CUDA,
     for a step whose counts the host keeps: one synchronization)."""
     return found_inf is not None and bool(found_inf.item() != 0)
@@ -194,6 +212,8 @@ def fused_qhm(
     bfloat16, rounded stochastically with these seeds (``[seed]`` per tensor,
     :mod:`qhoptim.torch._state_dtype`).
     """
+    if not params:  # nothing to step (torch's grouping refuses empty lists)
+        return
     c = rules.qhm_coefficients(hp.momentum, hp.nu)
     by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
     for device, (*lists, indices) in _groups_with_indices([params, grads, momentum_buffers], by=by):
@@ -202,7 +222,7 @@ def fused_qhm(
             if runs_triton(device):  # a gradient overlapping its parameter: copied there
                 _triton().qhm_(ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf)
                 continue
-            if _skip(found_inf):
+            if skipped(found_inf):
                 continue
             lr = float(hp.lr)
             coupled, decay = _decay(hp, lr)
@@ -261,6 +281,8 @@ def fused_qhadam(
     ``state_seeds`` (CPU, float32 parameters): the moments are bfloat16,
     rounded stochastically with these seeds (one per moment and tensor).
     """
+    if not params:  # nothing to step (torch's grouping refuses empty lists)
+        return
     tensorlists = [params, grads, exp_avgs, exp_avg_sqs]
     if hp.amsgrad:
         tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
@@ -283,7 +305,7 @@ def fused_qhadam(
                     found_inf=found_inf,
                 )
                 continue
-            if _skip(found_inf):
+            if skipped(found_inf):
                 continue
             _tensors.advance_counts(steps)
             # One read of every count (each item() would cost a call per tensor).
@@ -309,6 +331,8 @@ def fused_qhadam_host_steps(
     ``max_exp_avg_sqs``: the running maxima of ``hp.amsgrad``. ``state_seeds``:
     bfloat16 moments, as in :func:`fused_qhadam`.
     """
+    if not params:  # nothing to step (torch's grouping refuses empty lists)
+        return
     tensorlists = [params, grads, exp_avgs, exp_avg_sqs]
     if hp.amsgrad:
         tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))

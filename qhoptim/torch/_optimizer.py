@@ -309,8 +309,10 @@ class QHOptimizer(Optimizer):
             stochastic_rounding=group.get("stochastic_rounding"),
             signed=self._SIGNED,
         )
+        # A step GradScaler skipped (an inf or NaN gradient) leaves QHM's counts.
+        advance = count_steps and not _fused.skipped(self._amp_tensors()["found_inf"])
         for i, c in enumerate(counts):
-            if count_steps:
+            if advance:
                 c += 1
             elif i in reached:
                 c.copy_(reached[i])
@@ -372,10 +374,39 @@ class QHOptimizer(Optimizer):
             "param_groups": [as_numbers(g) for g in state_dict["param_groups"]],
         }
         self._optimizer_load_state_dict_pre_hooks = type(hooks)()  # already run
+        # state_dtype is how this optimizer stores its state, not a
+        # hyperparameter of the run: each group keeps its own, and loaded state
+        # saved in another is converted to it (a float32 checkpoint loaded into
+        # an 8-bit optimizer takes a byte per value, not four).
+        storage = [
+            (group.get("state_dtype"), group.get("stochastic_rounding"))
+            for group in self.param_groups
+        ]
         try:
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_pre_hooks = hooks
+        for group, (dtype, stochastic) in zip(self.param_groups, storage, strict=True):
+            if group.get("state_dtype") != dtype:
+                self._convert_state(group, dtype)
+                group["stochastic_rounding"] = stochastic
+
+    #: The names of the state lists ``_SIGNED`` describes, in its order.
+    _STATE_LISTS: tuple[str, ...] = ()
+
+    def _convert_state(self, group: dict[str, Any], dtype: torch.dtype | None) -> None:
+        """Store ``group``'s state in ``dtype`` (None: the parameters' own)."""
+        stored_as = group.get("state_dtype")
+        for p in group["params"]:
+            p_state = self.state.get(p, {})
+            for key, signed in zip(self._STATE_LISTS, self._SIGNED, strict=True):
+                if key in p_state and not p.is_complex():
+                    was = stored_as if _state_dtype.narrow(group, p) else None
+                    want = dtype if dtype is not None and dtype != p.dtype else None
+                    p_state[key] = _state_dtype.converted(p_state[key], p, was, want, signed)
+            if dtype is not None and dtype != p.dtype and p_state and "step" not in p_state:
+                p_state["step"] = torch.zeros((), dtype=torch.float64)  # QHM's seeds' count
+        group["state_dtype"] = dtype
 
     def _gather(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
@@ -385,6 +416,7 @@ class QHOptimizer(Optimizer):
         states = []
         has_complex = False
         state = self.state
+        fused = group["fused"]
         for p in group["params"]:
             grad = p.grad
             if grad is None:
@@ -394,7 +426,10 @@ class QHOptimizer(Optimizer):
             has_complex |= p.is_complex()
             params.append(p)
             grads.append(grad)
-            states.append(state[p])
+            p_state = state[p]
+            if fused and not p_state:  # its first step: checked as torch checks it
+                _fused.check_fused_device(p)
+            states.append(p_state)
         return states, has_complex
 
     def _step_group(self, group: dict[str, Any]) -> None:
@@ -442,9 +477,33 @@ class QHOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_amp_scaling()
         for group in self.param_groups:
             self._step_group(group)
         return loss
+
+    def _check_amp_scaling(self) -> None:
+        """Refuse GradScaler's ``grad_scale`` and ``found_inf`` where a group is not fused.
+
+        An optimizer built ``fused=True`` tells ``torch.amp.GradScaler`` that its
+        step unscales the gradients and skips a step with an inf itself, so
+        GradScaler does neither and hands it ``grad_scale`` and ``found_inf``.
+        Only the fused kernels read them: a group that is not fused (set so, or
+        loaded from a checkpoint of a non-fused optimizer) would step by the
+        scaled gradients and through infs. As torch's Adam, such a step is
+        refused, before any group has moved.
+        """
+        if getattr(self, "grad_scale", None) is None and getattr(self, "found_inf", None) is None:
+            return
+        unfused = [i for i, group in enumerate(self.param_groups) if not group["fused"]]
+        if unfused:
+            raise RuntimeError(
+                f"{type(self).__name__}: torch.amp.GradScaler handed this optimizer grad_scale "
+                "and found_inf, which only its fused steps read, but param groups "
+                f"{unfused} are not fused (fused=False or None); set fused=True on every "
+                "group, or build the optimizer without fused=True so that GradScaler "
+                "unscales the gradients itself"
+            )
 
 
 def _take(

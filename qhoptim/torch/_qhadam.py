@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from qhoptim import convert, rules, validation
+from qhoptim import convert, rounding, rules, validation
 from qhoptim.torch import _fused, _kernels, _state_dtype, _tensors
 from qhoptim.torch._optimizer import (
     QHOptimizer,
@@ -100,6 +100,7 @@ class QHAdam(QHOptimizer):
         frozenset({"beta1_weight", "beta2_weight", "exp_avg", "exp_avg_sq"}),  # qhoptim 1.1.0
     )
     _SIGNED = (True, False, False)  # exp_avg; exp_avg_sq and its maximum are >= 0
+    _STATE_LISTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _check_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = validation.check_pair(group["betas"], "betas")
@@ -127,6 +128,8 @@ class QHAdam(QHOptimizer):
         self._check_decay(group)
         validation.check_bool(group.get("amsgrad", False), "amsgrad")
         _state_dtype.check_state_dtype(group)
+        if group.get("state_dtype") == torch.float16:
+            rounding.check_second_moment_dtype("float16")
 
     def _upgrade_group(self, group: dict[str, Any]) -> None:
         # State dicts of qhoptim before amsgrad (1.1.0's included) lack the flag;
@@ -134,7 +137,7 @@ class QHAdam(QHOptimizer):
         group.setdefault("amsgrad", False)
         group.setdefault("state_dtype", None)
         group.setdefault("stochastic_rounding", None)
-        self._narrow_state(group, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+        self._narrow_state(group, self._STATE_LISTS)
         for p in group["params"]:
             p_state = self.state.get(p, {})
             if len(p_state) == 0:
@@ -206,6 +209,8 @@ class QHAdam(QHOptimizer):
         has_complex = self._init_group(
             group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
         )
+        if not params:  # a frozen group: no gradient, nothing to step
+            return
         moments = [exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if group["amsgrad"] else [])]
         self._step_lists(
             group,

@@ -99,6 +99,7 @@ class QHM(QHOptimizer):
         frozenset({"momentum_buffer", "step"}),
     )
     _SIGNED = (True,)
+    _STATE_LISTS = ("momentum_buffer",)
     _LEGACY_DECAY_KEY = "weight_decay_type"
 
     @staticmethod
@@ -126,7 +127,7 @@ class QHM(QHOptimizer):
             cast_complex_state(p, p_state)
             if torch.is_tensor(p_state.get("step")):
                 p_state["step"] = p_state["step"].detach().reshape(()).to(torch.float64)
-        self._narrow_state(group, ("momentum_buffer",))
+        self._narrow_state(group, self._STATE_LISTS)
 
     def _init_group(
         self,
@@ -157,6 +158,8 @@ class QHM(QHOptimizer):
         grads: list[Tensor] = []
         momentum_buffers: list[Tensor] = []
         has_complex = self._init_group(group, params, grads, momentum_buffers)
+        if not params:  # a frozen group: no gradient, nothing to step
+            return
         # The step counts of narrow states (the rounding's seed); none are read
         # (nor looked up, on the step's hot path) without a state_dtype.
         if group.get("state_dtype") is None:

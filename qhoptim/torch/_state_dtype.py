@@ -39,6 +39,7 @@ from qhoptim.torch._tensors import runs_triton
 __all__ = [
     "STATE_DTYPES",
     "check_state_dtype",
+    "converted",
     "hash32",
     "in_fused_kernel",
     "narrow",
@@ -68,8 +69,8 @@ _INT64_BITS = rounding.Bits(wrap=lambda x: x & _MASK32)
 def check_state_dtype(group: dict[str, Any]) -> None:
     """A param group's ``state_dtype`` and ``stochastic_rounding``, with the flags they exclude."""
     dtype = group.get("state_dtype")
-    name = str(dtype).removeprefix("torch.") if dtype in STATE_DTYPES else None
-    allowed = tuple(str(d).removeprefix("torch.") for d in STATE_DTYPES)
+    name = _name(dtype) if dtype in STATE_DTYPES else None
+    allowed = tuple(_name(d) for d in STATE_DTYPES)
     rounding.check_state_dtype(name, dtype, allowed=allowed)
     rounding.check_stochastic_rounding(group.get("stochastic_rounding"))
     if dtype is None:
@@ -84,7 +85,12 @@ def check_state_dtype(group: dict[str, Any]) -> None:
         if not isinstance(p, Tensor):
             continue
         rounding.check_real(p.is_complex())
-        rounding.check_narrower(str(dtype), dtype.itemsize, str(p.dtype), p.dtype.itemsize)
+        # Dtypes by their names in every framework ("float32", not "torch.float32").
+        rounding.check_narrower(_name(dtype), dtype.itemsize, _name(p.dtype), p.dtype.itemsize)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def narrow(group: dict[str, Any], param: Tensor) -> bool:
@@ -153,9 +159,14 @@ def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> No
     compiled on first use); otherwise torch operations make the noise
     :data:`NOISE_VALUES` at a time, which bounds their temporaries.
     """
+    if not dst.is_contiguous():  # channels_last, a transpose: rounded in row-major order
+        rounded = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+        stochastic_round_(rounded, src, seed, start)
+        dst.copy_(rounded)
+        return
     x = src.to(torch.float32).contiguous().view(-1)
     out = dst.view(-1)
-    kernel = _cpu_kernel() if x.device.type == "cpu" and out.is_contiguous() else None
+    kernel = _cpu_kernel() if x.device.type == "cpu" else None
     if kernel is not None:  # one pass, the fused kernel's own rounding
         kernel.stochastic_round_(out, x, seed, start)
         return
@@ -279,6 +290,31 @@ def quantize_(
     stored.codes.copy_(code)
 
 
+def converted(
+    value: Tensor,
+    param: Tensor,
+    stored_as: torch.dtype | None,
+    store_as: torch.dtype | None,
+    signed: bool,
+) -> Tensor:
+    """A state ``value`` of ``param`` stored as ``stored_as`` (None: the
+    parameter's dtype), stored as ``store_as`` instead: an 8-bit state decoded,
+    an 8-bit one encoded (to nearest: a conversion draws no noise), any other
+    cast. For a checkpoint loaded into an optimizer of another ``state_dtype``.
+    """
+    n = param.numel()
+    if eight_bit(stored_as):
+        values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        dequantize_(values.view(-1), _Packed(value, n, 0, n), signed)
+    else:
+        values = value.reshape(param.shape)
+    if eight_bit(store_as):
+        packed = zeros_state(param, torch.uint8)
+        quantize_(_Packed(packed, n, 0, n), values.reshape(-1), signed, 0, False, 0)
+        return packed
+    return values.to(param.dtype if store_as is None else store_as)
+
+
 def write_back_(
     dst: Tensor, src: Tensor, seed: int, stochastic: bool | None, start: int = 0
 ) -> None:
@@ -290,16 +326,25 @@ def write_back_(
         dst.copy_(src)
 
 
-def _pieces(params: Sequence[Tensor]) -> list[list[tuple[int, int, int]]]:
+def _pieces(
+    params: Sequence[Tensor], grads: Sequence[Tensor], state_lists: Sequence[Sequence[Tensor]]
+) -> list[list[tuple[int, int, int]]]:
     """Runs of ``(position, start, stop)`` -- whole tensors, and slices of the
     flattened ones larger than :data:`CHUNK_VALUES` -- of about that many values
-    together."""
+    together. A tensor whose parameter, gradient or state is not contiguous
+    (``channels_last``, a transpose, a slice) is one piece, whatever its size:
+    a slice of its flattened values would be a copy, not a view to step in."""
     runs: list[list[tuple[int, int, int]]] = [[]]
     size = 0
     for i, p in enumerate(params):
         n = p.numel()
-        for start in range(0, max(n, 1), CHUNK_VALUES):
-            stop = min(start + CHUNK_VALUES, n)
+        whole = not (
+            p.is_contiguous()
+            and grads[i].is_contiguous()
+            and all(lst[i].is_contiguous() for lst in state_lists)
+        )
+        for start in range(0, max(n, 1), n if whole and n else CHUNK_VALUES):
+            stop = n if whole else min(start + CHUNK_VALUES, n)
             if size > 0 and size + (stop - start) > CHUNK_VALUES:
                 runs.append([])
                 size = 0
@@ -335,7 +380,7 @@ def step_with_narrow_state(
     (:func:`eight_bit`) is decoded into its working copy and encoded back;
     ``signed[k]`` says whether state ``k`` takes negative values.
     """
-    runs = _pieces(params)
+    runs = _pieces(params, grads, state_lists)
     # One scratch buffer per state list and dtype for every run's working
     # copies: allocated once per step, not once per piece, so that the memory
     # allocator has one block to reuse instead of many to keep (glibc kept up

@@ -228,11 +228,12 @@ def _coefficient(value, table, k, IN_TABLE, COMPUTE):
 def _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                HAS_SCALE, COMPUTE):  # fmt: skip
     """The gradient as the rule takes it: ``maximize``'s sign, GradScaler's
-    scale taken out, coupled weight decay added."""
+    scale taken out, coupled weight decay added (where it is not 0)."""
     g = tl.load(g_ptr + offs, mask=mask).to(COMPUTE) * grad_multiplier
     if HAS_SCALE:
         g = g / tl.load(scale_ptr).to(COMPUTE)
-    return g + coupled_weight_decay * p
+    # Without coupled decay g itself: a NaN parameter (0 * NaN) leaves its state alone.
+    return tl.where(coupled_weight_decay != 0, g + coupled_weight_decay * p, g)
 
 
 @triton.jit(**_JIT)

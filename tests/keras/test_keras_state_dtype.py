@@ -124,16 +124,23 @@ def test_a_model_with_bfloat16_slots_saves_and_loads(tmp_path: Any) -> None:
 
 
 def test_float16_slots_and_rounding_off_round_to_nearest() -> None:
-    for kwargs in (
-        {"state_dtype": "float16"},
-        {"state_dtype": "bfloat16", "stochastic_rounding": False},
+    # float16 for QHM's buffer; QHAdam's second moment refuses it (below).
+    for make, kwargs in (
+        (qk.QHM, {"state_dtype": "float16"}),
+        (qk.QHAdam, {"state_dtype": "bfloat16", "stochastic_rounding": False}),
     ):
-        opt, wide = qk.QHAdam(1e-2, **kwargs), qk.QHAdam(1e-2)
+        opt, wide = make(1e-2, **kwargs), make(1e-2)
         apply_steps(opt, _x0(), _grads, 1, dtype="float32")
         apply_steps(wide, _x0(), _grads, 1, dtype="float32")
         for a, b in zip(_slots(opt), _slots(wide), strict=True):
             want = ops.convert_to_numpy(ops.cast(b, kwargs["state_dtype"]))
             assert np.array_equal(np.asarray(ops.convert_to_numpy(a)), np.asarray(want))
+
+
+@pytest.mark.parametrize("cls", [qk.QHAdam, qk.QHAdamW])
+def test_float16_slots_are_refused_for_qhadams_second_moment(cls: type) -> None:
+    with pytest.raises(ValueError, match=r"state_dtype=float16 cannot hold QHAdam's second"):
+        cls(1e-3, state_dtype="float16")
 
 
 def test_the_config_without_a_state_dtype_is_unchanged() -> None:

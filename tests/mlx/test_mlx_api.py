@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 import subprocess
 import sys
 
@@ -256,3 +257,21 @@ def test_amsgrad_switched_on_for_a_stepped_state_starts_its_maximum_at_zero() ->
         rx, rs = ref.step(rx, _grad(rx, t), rs)
     got = _run(ams, x, lambda x, t: _grad(x, t + 4), 4)
     np.testing.assert_allclose(got, rx, rtol=1e-12)
+
+
+# ------------------------------------------------ flags and concrete scalars
+@pytest.mark.parametrize("value", ["yes", 1, None, 0.0])
+@pytest.mark.parametrize("cls", [qhmlx.QHM, qhmlx.QHAdam])
+def test_decoupled_weight_decay_must_be_a_bool(cls: type, value: object) -> None:
+    # The shared wording (torch's, optax's): any non-empty string is not True.
+    match = f"decoupled_weight_decay must be a bool; received decoupled_weight_decay={value!r}"
+    with pytest.raises(TypeError, match=re.escape(match)):
+        cls(0.1, decoupled_weight_decay=value)
+
+
+def test_concrete_numpy_scalars_are_held_as_python_floats() -> None:
+    qhm = qhmlx.QHM(0.1, momentum=np.float64(0.9), nu=np.array(0.7), weight_decay=np.float32(0.5))
+    assert [type(x) for x in (qhm.momentum, qhm.nu, qhm.weight_decay)] == [float] * 3
+    assert (qhm.momentum, qhm.nu, qhm.weight_decay) == (0.9, 0.7, 0.5)
+    qhadam = qhmlx.QHAdam(0.1, betas=(np.float32(0.5), 0.999), nus=(np.array(0.7), 1.0))
+    assert [type(x) for x in (*qhadam.betas, *qhadam.nus, qhadam.eps)] == [float] * 5

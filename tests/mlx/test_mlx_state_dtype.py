@@ -103,18 +103,25 @@ def test_a_resumed_run_rounds_as_the_uninterrupted_one(name: str, tmp_path: Any)
 
 
 def test_float16_state_and_rounding_off_round_to_nearest() -> None:
-    for kwargs in (
-        {"state_dtype": mx.float16},
-        {"state_dtype": BF16, "stochastic_rounding": False},
+    # float16 for QHM's buffer; QHAdam's second moment refuses it (below).
+    for make, slot, kwargs in (
+        (qhmlx.QHM, "momentum_buffer", {"state_dtype": mx.float16}),
+        (qhmlx.QHAdam, "m", {"state_dtype": BF16, "stochastic_rounding": False}),
     ):
-        opt, wide = qhmlx.QHAdam(1e-2, **kwargs), qhmlx.QHAdam(1e-2)
+        opt, wide = make(1e-2, **kwargs), make(1e-2)
         _run(opt, _params(), range(1))
         _run(wide, _params(), range(1))
         for k in opt.state:
             if k == "step" or k == "learning_rate":
                 continue
-            want = wide.state[k]["m"].astype(kwargs["state_dtype"])
-            assert mx.array_equal(opt.state[k]["m"], want).item()
+            want = wide.state[k][slot].astype(kwargs["state_dtype"])
+            assert mx.array_equal(opt.state[k][slot], want).item()
+
+
+@pytest.mark.parametrize("cls", [qhmlx.QHAdam, qhmlx.QHAdamW])
+def test_float16_state_is_refused_for_qhadams_second_moment(cls: type) -> None:
+    with pytest.raises(ValueError, match=r"state_dtype=float16 cannot hold QHAdam's second"):
+        cls(1e-3, state_dtype=mx.float16)
 
 
 @pytest.mark.parametrize(

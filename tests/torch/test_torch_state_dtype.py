@@ -171,24 +171,6 @@ def test_stochastic_rounding_keeps_what_bfloat16_holds() -> None:
         torch.testing.assert_close(dst, src.to(BF16), equal_nan=True, rtol=0, atol=0)
 
 
-def test_float16_state_rounds_to_nearest() -> None:
-    params = _params()
-    opt = QHAdam(params, lr=1e-2, state_dtype=torch.float16)
-    _run(opt, params, range(3))
-    wide_params = _params()
-    wide = QHAdam(wide_params, lr=1e-2)
-    _run(wide, wide_params, range(3))
-    # Step by step the float16 state is the float32 state rounded to nearest,
-    # so after one step (the same working values) they are exactly that.
-    params, wide_params = _params(), _params()
-    opt = QHAdam(params, lr=1e-2, state_dtype=torch.float16)
-    wide = QHAdam(wide_params, lr=1e-2)
-    _run(opt, params, range(1))
-    _run(wide, wide_params, range(1))
-    for p, q in zip(params, wide_params, strict=True):
-        assert torch.equal(opt.state[p]["exp_avg"], wide.state[q]["exp_avg"].to(torch.float16))
-
-
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -201,7 +183,7 @@ def test_float16_state_rounds_to_nearest() -> None:
             ValueError,
             r"not supported with differentiable",
         ),
-        ({"state_dtype": F64}, ValueError, r"wider than a parameter's dtype torch.float32"),
+        ({"state_dtype": F64}, ValueError, r"wider than a parameter's dtype float32"),
     ],
 )
 @pytest.mark.parametrize("cls", [QHM, QHAdam])

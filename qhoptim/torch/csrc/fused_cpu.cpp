@@ -128,6 +128,19 @@ inline state_t store(opmath_t value, uint32_t seed, uint32_t position) {
   }
 }
 
+// The gradient with coupled weight decay, g + wd * p (COUPLED), or g itself
+// where wd is 0: a NaN or infinite parameter (0 * NaN is NaN) then leaves its
+// state alone, as in the multi-tensor kernels. A compile-time flag, so that no
+// branch keeps the loops from vectorizing.
+template <bool COUPLED, typename opmath_t>
+inline opmath_t coupled_gradient(opmath_t g, opmath_t wd, opmath_t p) {
+  if constexpr (COUPLED) {
+    return g + wd * p;
+  } else {
+    return g;
+  }
+}
+
 // The gradient the loops read: a copy of one that overlaps its parameter's memory
 // (`p.grad = p.detach()`, the gradient of |p|^2 / 2, or a view of p), which the
 // loop would otherwise read after writing p, and which the compiler is told
@@ -143,13 +156,14 @@ at::Tensor readable_grad(const at::Tensor& param, const at::Tensor& grad) {
 // One chunk of a QHM step. The pointers do not alias and the coefficients are
 // values, so the compiler vectorizes the loop without run-time checks. `first`
 // is the chunk's position in the tensor (the rounding noise's counter).
-template <typename scalar_t, typename state_t, bool SR, typename opmath_t, bool FOLD, bool LOW>
+template <typename scalar_t, typename state_t, bool SR, typename opmath_t, bool FOLD, bool LOW,
+          bool COUPLED>
 void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t* __restrict__ b,
                int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w,
                opmath_t bv, opmath_t gv, uint32_t seed) {
   for (int64_t i = 0; i < n; ++i) {
     const opmath_t pi = static_cast<opmath_t>(p[i]);
-    const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
+    const opmath_t gi = coupled_gradient<COUPLED>(static_cast<opmath_t>(g[i]) * gm, wd, pi);
     const opmath_t bi = lerp<LOW>(static_cast<opmath_t>(b[i]), gi, w);
     b[i] = store<state_t, SR>(bi, seed, position_of<FOLD>(first, i));
     p[i] = static_cast<scalar_t>(pi * df + bv * bi + gv * gi);
@@ -167,11 +181,15 @@ void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, doub
   const opmath_t gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
                  w = grad_to_buffer, bv = buffer_value, gv = grad_value;
   const bool low = w < opmath_t(0.5);
+  const bool coupled = wd != opmath_t(0);
   at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
     auto chunk = [&](auto fold_tag, auto low_tag) {
-      qhm_chunk<scalar_t, state_t, SR, opmath_t, decltype(fold_tag)::value,
-                decltype(low_tag)::value>(p + begin, g + begin, b + begin, begin, end - begin, gm,
-                                          wd, df, w, bv, gv, seed);
+      auto run = [&](auto coupled_tag) {
+        qhm_chunk<scalar_t, state_t, SR, opmath_t, decltype(fold_tag)::value,
+                  decltype(low_tag)::value, decltype(coupled_tag)::value>(
+            p + begin, g + begin, b + begin, begin, end - begin, gm, wd, df, w, bv, gv, seed);
+      };
+      coupled ? run(std::true_type{}) : run(std::false_type{});
     };
     with_flags(SR && needs_fold(begin, end - begin), low, chunk);
   });
@@ -183,7 +201,7 @@ void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, doub
 // which the denominator reads in its place (qhoptim.rules.qhadam_amsgrad_update,
 // with the same folded coefficients); without it v is unused.
 template <typename scalar_t, typename state_t, bool SR, typename opmath_t, int FORM, bool AMSGRAD,
-          bool FOLD, bool LOW>
+          bool FOLD, bool LOW, bool COUPLED>
 void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
                   state_t* __restrict__ m, state_t* __restrict__ s, state_t* __restrict__ v,
                   int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w1,
@@ -195,7 +213,7 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t at = position_of<FOLD>(first, i);
     const opmath_t pi = static_cast<opmath_t>(p[i]);
-    const opmath_t gi = static_cast<opmath_t>(g[i]) * gm + wd * pi;
+    const opmath_t gi = coupled_gradient<COUPLED>(static_cast<opmath_t>(g[i]) * gm, wd, pi);
     const opmath_t mi = lerp<LOW>(static_cast<opmath_t>(m[i]), gi, w1);
     const opmath_t si = b2 * static_cast<opmath_t>(s[i]) + w2 * gi * gi;
     // What the denominator reads: the second moment, or its running maximum.
@@ -235,12 +253,16 @@ void qhadam_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_av
   // FoldedQHAdam: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value
   const opmath_t sw = c[0], gw = c[1], eps = c[2], mv = c[3], gv = c[4];
   const bool low = w1 < opmath_t(0.5);
+  const bool coupled = wd != opmath_t(0);
   at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
     auto chunk = [&](auto fold_tag, auto low_tag) {
-      qhadam_chunk<scalar_t, state_t, SR, opmath_t, FORM, AMSGRAD, decltype(fold_tag)::value,
-                   decltype(low_tag)::value>(p + begin, g + begin, m + begin, s + begin,
-                                             AMSGRAD ? v + begin : nullptr, begin, end - begin,
-                                             gm, wd, df, w1, b2, w2, sw, gw, eps, mv, gv, seeds);
+      auto run = [&](auto coupled_tag) {
+        qhadam_chunk<scalar_t, state_t, SR, opmath_t, FORM, AMSGRAD, decltype(fold_tag)::value,
+                     decltype(low_tag)::value, decltype(coupled_tag)::value>(
+            p + begin, g + begin, m + begin, s + begin, AMSGRAD ? v + begin : nullptr, begin,
+            end - begin, gm, wd, df, w1, b2, w2, sw, gw, eps, mv, gv, seeds);
+      };
+      coupled ? run(std::true_type{}) : run(std::false_type{});
     };
     with_flags(SR && needs_fold(begin, end - begin), low, chunk);
   });
