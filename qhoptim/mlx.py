@@ -227,6 +227,14 @@ class _QHOptimizer(optim.Optimizer):
         finally:
             self._gradients = None
 
+    def _held(self, stored: list[mx.array], parameter: mx.array) -> list[mx.array]:
+        """``stored`` in the dtype this optimizer keeps its state in (``state_dtype``,
+        else the parameter's): a state loaded from a checkpoint of another
+        ``state_dtype`` is converted to it at its first step, as torch's
+        ``load_state_dict`` converts it."""
+        dtype = parameter.dtype if self.state_dtype is None else self.state_dtype
+        return [x if x.dtype == dtype else x.astype(dtype) for x in stored]
+
     def _seeds(self, stored: list[mx.array], parameter: mx.array) -> mx.array | None:
         """The rounding seeds of this parameter's ``stored`` states (None where
         none is rounded stochastically), and the position moves on.
@@ -346,7 +354,7 @@ class QHM(_QHOptimizer):
         self, gradient: mx.array, parameter: mx.array, state: dict[str, Any]
     ) -> mx.array:
         lr, factor = self._coefficients_for(parameter.dtype)
-        buf = state["momentum_buffer"]
+        (buf,) = self._held([state["momentum_buffer"]], parameter)
         state["momentum_buffer"], parameter = _qhm_step(
             gradient, parameter, buf, lr, factor,
             self.momentum, self.nu, self._coupled_weight_decay(), self._seeds([buf], parameter),
@@ -481,7 +489,7 @@ class QHAdam(_QHOptimizer):
         if self.amsgrad and "v_max" not in state:  # amsgrad switched on for a stepped state
             state["v_max"] = mx.zeros_like(state["v"])  # max(0, v) = v, as torch's (its dtype)
         keys = ("m", "v", "v_max") if self.amsgrad else ("m", "v")
-        stored = [state[k] for k in keys]
+        stored = self._held([state[k] for k in keys], parameter)
         *moments, parameter = _qhadam_step(
             gradient, parameter, stored[0], stored[1], stored[2] if self.amsgrad else None,
             folded.denominator.value, tuple(folded[1:]), factor, *self.betas,

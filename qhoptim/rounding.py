@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = [
+    "EIGHT_BIT_NON_FINITE",
     "PYTHON",
     "STATE_DTYPES",
     "Bits",
@@ -152,6 +153,14 @@ def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
 EIGHT_BIT_BLOCK = 256
 #: Levels per octave of :func:`eight_bit_levels`' ladder (9% apart).
 EIGHT_BIT_PER_OCTAVE = 8
+#: The code of a non-finite value, by whether the state is signed: a signed
+#: state's NaN or infinity takes its code of -0 (otherwise unused) and reads
+#: back as NaN; an unsigned one's (a second moment that overflowed, or NaN)
+#: takes the code of the ladder's lowest level and reads back as +inf, as a
+#: float32 state holds it (the step divides by it: a zero step). Either leaves
+#: its block's scale -- its largest *finite* magnitude -- and so the block's
+#: other values alone.
+EIGHT_BIT_NON_FINITE = {True: 128, False: 1}
 
 
 def eight_bit_levels(signed: bool) -> list[float]:
@@ -171,7 +180,9 @@ def eight_bit_levels(signed: bool) -> list[float]:
     of its distance to the other (unbiased), by the noise of :func:`noise16`;
     except that a positive unsigned value below the lowest level is stored as
     that level, never as 0, so that a second moment the denominator divides by
-    cannot vanish under a first moment that does not.
+    cannot vanish under a first moment that does not. The codes of
+    :data:`EIGHT_BIT_NON_FINITE` stand for NaN and inf instead of their levels
+    (an unsigned state's lowest level is then 2**(-253/8), never stored).
     """
     top = 127 if signed else 255
     return [0.0] + [2.0 ** ((k - top) / EIGHT_BIT_PER_OCTAVE) for k in range(1, top + 1)]

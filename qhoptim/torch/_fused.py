@@ -357,37 +357,14 @@ def _qhadam_numbers_(
     seeds: Tensor,
 ) -> None:
     """One group's step whose step numbers ``steps`` the host has: the Triton
-    kernel's (CUDA), or the C++ kernel's (CPU)."""
+    kernel's (CUDA), or the C++ kernel's (CPU). ``vs`` is ``[max_exp_avg_sqs]``
+    with amsgrad, else ``[]``; ``seeds`` see :func:`_seed_table`."""
     if runs_triton(device):
         max_exp_avg_sqs = vs[0] if vs else None
         _triton().qhadam_(
-            ps,
-            gs,
-            ms,
-            ss,
-            max_exp_avg_sqs,
-            steps,
-            hp,
-            grad_scale=grad_scale,
-            found_inf=None,
+            ps, gs, ms, ss, max_exp_avg_sqs, steps, hp, grad_scale=grad_scale, found_inf=None
         )
         return
-    _cpu_qhadam_(ps, gs, ms, ss, vs, steps, hp, grad_scale, seeds)
-
-
-def _cpu_qhadam_(
-    ps: list[Tensor],
-    gs: list[Tensor],
-    ms: list[Tensor],
-    ss: list[Tensor],
-    vs: list[list[Tensor]],
-    steps: list[float],
-    hp: _tensors.QHAdamHyperparameters,
-    grad_scale: Tensor | None,
-    seeds: Tensor,
-) -> None:
-    """The C++ kernel's step; ``vs`` is ``[max_exp_avg_sqs]`` with amsgrad, else ``[]``;
-    ``seeds`` see :func:`_seed_table`."""
     lr = float(hp.lr)
     coupled, decay = _decay(hp, lr)
     w = rules.qhadam_moment_weights(hp.beta1, hp.beta2)

@@ -328,6 +328,9 @@ class QHOptimizer(Optimizer):
             for key in keys:
                 if key in state and state[key].dtype != dtype and not p.is_complex():
                     state[key] = state[key].to(dtype)
+            if _state_dtype.PARAM_SHAPE in state:  # loaded, and cast like the rest
+                record = state[_state_dtype.PARAM_SHAPE]
+                state[_state_dtype.PARAM_SHAPE] = record.to(device="cpu", dtype=torch.int64)
 
     def _check_decay(self, group: dict[str, Any]) -> None:
         decoupled = self._renamed(group, warn=False).get("decoupled_weight_decay", False)
@@ -406,6 +409,9 @@ class QHOptimizer(Optimizer):
                     p_state[key] = _state_dtype.converted(p_state[key], p, was, want, signed)
             if dtype is not None and dtype != p.dtype and p_state and "step" not in p_state:
                 p_state["step"] = torch.zeros((), dtype=torch.float64)  # QHM's seeds' count
+            p_state.pop(_state_dtype.PARAM_SHAPE, None)
+            if _state_dtype.eight_bit(dtype) and p_state:
+                p_state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
         group["state_dtype"] = dtype
 
     def _gather(

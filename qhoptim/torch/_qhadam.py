@@ -182,6 +182,8 @@ class QHAdam(QHOptimizer):
                 state["exp_avg"] = _state_dtype.zeros_state(p, narrow)
                 # |g|^2 is real: a complex parameter has a real second moment.
                 state["exp_avg_sq"] = _state_dtype.zeros_state(p, narrow or p.real.dtype)
+                if _state_dtype.eight_bit(narrow):
+                    state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
             if amsgrad and "max_exp_avg_sq" not in state:
                 # New state, or amsgrad switched on in a group stepped without it:
                 # the running maximum starts at zero, max(0, s) = s, as torch's.

@@ -148,6 +148,8 @@ class QHM(QHOptimizer):
             if len(state) == 0:
                 dtype = group["state_dtype"] if narrow else None
                 state["momentum_buffer"] = _state_dtype.zeros_state(p, dtype)
+                if _state_dtype.eight_bit(dtype):
+                    state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
             if narrow and "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float64)
             momentum_buffers.append(state["momentum_buffer"])

@@ -55,6 +55,12 @@ def _check_param_state(
         raise TypeError(
             f"{what}: the state of parameter {key!r} is a {type(p_state).__name__}, not a dict"
         )
+    record = p_state.get(_state_dtype.PARAM_SHAPE) if packed else None
+    if torch.is_tensor(record) and tuple(int(v) for v in record.tolist()) != tuple(param.shape):
+        raise ValueError(
+            f"{what}: the 8-bit state of parameter {key!r} is a parameter's of shape "
+            f"{tuple(int(v) for v in record.tolist())}, the parameter {tuple(param.shape)}"
+        )
     own = frozenset().union(*allowed)
     keys = frozenset(p_state) & own
     if keys not in allowed or (not keys and p_state):

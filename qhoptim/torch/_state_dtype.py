@@ -26,6 +26,7 @@ copies and encoded back with the same noise.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from qhoptim.torch import _extension
 from qhoptim.torch._tensors import runs_triton
 
 __all__ = [
+    "PARAM_SHAPE",
     "STATE_DTYPES",
     "check_state_dtype",
     "converted",
@@ -199,6 +201,17 @@ def eight_bit(dtype: torch.dtype | None) -> bool:
     return dtype == torch.uint8
 
 
+#: The state key of an 8-bit state's parameter shape, which its flat packed
+#: tensors do not keep: a state dict's 8-bit state is loaded only into a
+#: parameter of that shape, as a float32 state is.
+PARAM_SHAPE = "param_shape"
+
+
+def shape_record(param: Tensor) -> Tensor:
+    """``param``'s shape, as an 8-bit state records it (:data:`PARAM_SHAPE`)."""
+    return torch.tensor(tuple(param.shape), dtype=torch.int64)
+
+
 def packed_numel(n: int) -> int:
     """Bytes of the 8-bit state of ``n`` values: a float32 scale per block, a code per value."""
     return 4 * -(-n // BLOCK) + n
@@ -240,17 +253,22 @@ def dequantize_(out: Tensor, stored: _Packed, signed: bool) -> None:
     if signed:
         magnitude = torch.where(codes >= 128, -magnitude, magnitude)
     n = out.numel()
-    scale = stored.scales.repeat_interleave(BLOCK)[:n]
-    out.view(-1).copy_(magnitude.mul_(scale))
+    value = magnitude.mul_(stored.scales.repeat_interleave(BLOCK)[:n])
+    if signed:  # the non-finite code reads back as NaN, unsigned as inf (rounding)
+        value = torch.where(codes == rounding.EIGHT_BIT_NON_FINITE[True], math.nan, value)
+    else:
+        value = torch.where(codes == rounding.EIGHT_BIT_NON_FINITE[False], math.inf, value)
+    out.view(-1).copy_(value)
 
 
 def quantize_(
     stored: _Packed, src: Tensor, signed: bool, seed: int, stochastic: bool, start: int
 ) -> None:
     """``stored`` <- ``src`` (flat) in 8 bits: each block's scale is its largest
-    magnitude, each value one of the two levels around it, chosen with
-    :func:`hash32`'s noise (``stochastic``) or to nearest. A block holding a
-    NaN keeps it in its scale (it reads back as NaN)."""
+    finite magnitude, each value one of the two levels around it, chosen with
+    :func:`hash32`'s noise (``stochastic``) or to nearest. A NaN or an infinity
+    takes the non-finite code (:data:`qhoptim.rounding.EIGHT_BIT_NON_FINITE`)
+    and leaves its block's scale, and so the other values, alone."""
     x = src.to(torch.float32).reshape(-1)
     n = x.numel()
     kernel = _cpu_kernel() if x.device.type == "cpu" else None
@@ -269,10 +287,12 @@ def quantize_(
         )
         return
     blocks = -(-n // BLOCK)
-    padded = torch.nn.functional.pad(x.abs(), (0, blocks * BLOCK - n))
+    finite = torch.isfinite(x)
+    magnitudes = torch.where(finite, x.abs(), 0.0)
+    padded = torch.nn.functional.pad(magnitudes, (0, blocks * BLOCK - n))
     scale = padded.view(blocks, BLOCK).amax(dim=1)
     stored.scales.copy_(scale)
-    ratio = x.abs() / scale.repeat_interleave(BLOCK)[:n]
+    ratio = magnitudes / scale.repeat_interleave(BLOCK)[:n]
     ratio = torch.nan_to_num(ratio, nan=0.0)  # 0/0 in an all-zero block
     levels = _levels(signed, x.device)
     low = (torch.bucketize(ratio, levels, right=True) - 1).clamp_(0, levels.numel() - 2)
@@ -283,11 +303,12 @@ def quantize_(
     else:
         threshold = torch.full_like(up, 0.5)
     code = low + (up > threshold).to(torch.int64)
-    if signed:
-        code = torch.where(x < 0, code + 128, code)
-    else:  # a positive second moment is never stored as 0 (eight_bit_levels)
-        code = torch.where((code == 0) & (ratio > 0), 1, code)
-    stored.codes.copy_(code)
+    non_finite = rounding.EIGHT_BIT_NON_FINITE[signed]
+    if signed:  # no -0: its code is the non-finite one
+        code = torch.where((x < 0) & (code > 0), code + 128, code)
+    else:  # a positive second moment is never stored as 0, nor as the code of inf
+        code = torch.where((code <= non_finite) & (ratio > 0), non_finite + 1, code)
+    stored.codes.copy_(torch.where(finite, code, non_finite))
 
 
 def converted(

@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 import qhoptim.mlx as qhmlx
 from conformance.adapters.mlx import make_optimizer
@@ -168,3 +168,20 @@ def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: 
     wide, narrow = trajectory(), trajectory(state_dtype=BF16)
     relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
     assert relative.max() <= narrow_state_tolerance(case)
+
+
+@pytest.mark.parametrize(
+    ("saved", "own"), [(BF16, None), (None, BF16)], ids=["bfloat16->own", "own->bfloat16"]
+)
+def test_a_checkpoint_of_another_state_dtype_steps_in_the_optimizers_own(
+    saved: Any, own: Any
+) -> None:
+    # state_dtype is how an optimizer stores its state: a state loaded from a
+    # checkpoint of another one is converted to it (as torch's load_state_dict).
+    source = qhmlx.QHAdam(1e-2, state_dtype=saved)
+    params = _run(source, _params(), range(2))
+    resumed = qhmlx.QHAdam(1e-2, state_dtype=own)
+    resumed.state = tree_map(lambda x: x, source.state)
+    _run(resumed, params, range(2, 3))
+    want = mx.float32 if own is None else own
+    assert {x.dtype for x in _state_arrays(resumed)} == {want}

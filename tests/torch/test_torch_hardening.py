@@ -300,3 +300,56 @@ def test_a_checkpoint_of_another_state_dtype_is_converted_to_the_optimizers(
     for p in resumed_params:  # and it steps
         p.grad = torch.ones_like(p)
     resumed.step()
+
+
+# ------------------------------------- 8-bit state: a bad value keeps to itself
+@pytest.mark.parametrize("encoder", ["c++", "torch operations"])
+@pytest.mark.parametrize("bad", [1e22, float("nan")], ids=["square-overflows", "nan"])
+@pytest.mark.parametrize("path", PATHS, ids=["loop", "foreach", "fused"])
+def test_one_bad_gradient_leaves_the_rest_of_its_8_bit_block_finite(
+    path: dict[str, bool], bad: float, encoder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As with float32 state: a gradient of 1e22 (its square overflows) takes
+    # a zero step where the second moment is inf, a NaN gradient poisons its
+    # own coordinate; the other 511 values step on, finite.
+    from qhoptim.torch import _state_dtype
+
+    if encoder != "c++":
+        monkeypatch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
+    non_finite = {}
+    for state_dtype in (None, torch.uint8):
+        p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 512))
+        opt = QHAdam([p], lr=0.01, nus=(0.7, 1.0), state_dtype=state_dtype, **path)
+        for t in range(3):
+            grad = torch.full_like(p, 0.1)
+            if t == 0:
+                grad[300] = bad
+            p.grad = grad
+            opt.step()
+        non_finite[state_dtype] = (~torch.isfinite(p.detach())).nonzero().flatten().tolist()
+    assert non_finite[torch.uint8] == non_finite[None]
+    assert non_finite[None] == ([] if bad == 1e22 else [300])
+
+
+@pytest.mark.parametrize("cls", [QHM, QHAdam])
+@pytest.mark.parametrize("shape", [(256,), (4, 4, 16)], ids=str)
+def test_an_8_bit_state_loads_only_into_a_parameter_of_its_shape(
+    cls: type, shape: tuple[int, ...]
+) -> None:
+    # The packed state is flat: its parameter's shape is recorded beside it,
+    # so that it is refused where a float32 state of that shape would be.
+    p = torch.nn.Parameter(torch.randn(16, 16))
+    opt = cls([p], lr=0.1, state_dtype=torch.uint8)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    other = torch.nn.Parameter(torch.randn(shape))
+    before = cls([other], lr=0.1, state_dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"8-bit state of parameter 0 is a parameter's of shape"):
+        before.load_state_dict(saved)
+    assert not before.state[other]
+    same = torch.nn.Parameter(torch.randn(16, 16))
+    resumed = cls([same], lr=0.1, state_dtype=torch.uint8)
+    resumed.load_state_dict(saved)
+    record = resumed.state[same]["param_shape"]
+    assert record.dtype == torch.int64 and record.tolist() == [16, 16]

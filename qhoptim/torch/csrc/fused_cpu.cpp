@@ -408,6 +408,13 @@ void stochastic_round_(at::Tensor dst, at::Tensor src, int64_t seed, int64_t sta
 // magnitude (NaN if it holds one).
 constexpr int64_t kBlock = 256;
 
+// The codes of non-finite values (qhoptim.rounding.EIGHT_BIT_NON_FINITE): a
+// signed state's NaN or infinity (its "-0", otherwise unused) reads back as
+// NaN; an unsigned one's (a second moment that overflowed) as +inf, as a
+// float32 state would hold it. The block's other values keep their scale.
+constexpr int kSignedNonFinite = 128;
+constexpr int kUnsignedInfinite = 1;
+
 void check_eight_bit(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& values,
                      const at::Tensor& levels) {
   const int64_t n = values.numel();
@@ -432,19 +439,23 @@ void quantize8_(at::Tensor codes, at::Tensor scales, at::Tensor values, at::Tens
   at::parallel_for(0, scales.numel(), 64, [=](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+      // The block's scale: its largest finite magnitude. A NaN or an infinity
+      // takes its own code (below) and leaves the others' scale alone.
       float scale = 0.0f;
       for (int64_t i = lo; i < hi; ++i) {
         const float a = std::fabs(x[i]);
-        scale = (a != a || scale != scale) ? NAN : std::max(scale, a);
+        scale = a <= std::numeric_limits<float>::max() ? std::max(scale, a) : scale;
       }
       sc[b] = scale;
       const bool fold = needs_fold(start + lo, hi - lo);
       for (int64_t i = lo; i < hi; ++i) {
+        if (!(std::fabs(x[i]) <= std::numeric_limits<float>::max())) {  // NaN, inf
+          c[i] = static_cast<uint8_t>(is_signed ? kSignedNonFinite : kUnsignedInfinite);
+          continue;
+        }
         float ratio = std::fabs(x[i]) / scale;
         if (ratio != ratio) {
-          ratio = 0.0f;  // 0/0 in an all-zero block; a NaN block keeps its NaN scale
-        } else if (ratio > std::numeric_limits<float>::max()) {
-          ratio = std::numeric_limits<float>::max();
+          ratio = 0.0f;  // 0/0 in an all-zero block
         }
         // The last level <= ratio (the table decides): a first guess of
         // per_octave * log2(ratio) from the float's exponent and the top of its
@@ -468,9 +479,10 @@ void quantize8_(at::Tensor codes, at::Tensor scales, at::Tensor values, at::Tens
             stochastic ? static_cast<float>(hash32(s, at) & 0xFFFFu) / 65536.0f : 0.5f;
         int64_t code = low + (up > threshold ? 1 : 0);
         if (is_signed) {
-          code += x[i] < 0.0f ? 128 : 0;
-        } else if (code == 0 && ratio > 0.0f) {
-          code = 1;  // a positive second moment is never stored as 0
+          code += (x[i] < 0.0f && code > 0) ? 128 : 0;  // no -0: 128 is non-finite's
+        } else if (code <= kUnsignedInfinite && ratio > 0.0f) {
+          // A positive second moment is never stored as 0 (nor as the code of inf).
+          code = kUnsignedInfinite + 1;
         }
         c[i] = static_cast<uint8_t>(code);
       }
@@ -492,7 +504,11 @@ void dequantize8_(at::Tensor values, at::Tensor codes, at::Tensor scales, at::Te
       for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) {
         const int code = c[i];
         const float value = lv[is_signed ? (code & 127) : code] * scale;
-        x[i] = (is_signed && code >= 128) ? -value : value;
+        if (is_signed) {
+          x[i] = code == kSignedNonFinite ? NAN : (code > 128 ? -value : value);
+        } else {
+          x[i] = code == kUnsignedInfinite ? INFINITY : value;
+        }
       }
     }
   });
