@@ -43,6 +43,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,12 @@ nox.options.sessions = [
     "lint", "tests", "conformance", "torch", "triton", "optax", "keras", "mlx", "distributed",
     "integrations", "lowest", "sweep", "docs",
 ]  # fmt: skip
+# Each session's venv is made and filled by uv where nox finds it (`pip install
+# "nox[uv]"`): uv links packages from one cache into every venv instead of
+# copying them, so the frameworks that several sessions install (torch,
+# TensorFlow, JAX) take their disk once, and an install takes seconds. Without
+# uv, virtualenv and pip, as before.
+nox.options.default_venv_backend = "uv|virtualenv"
 # nox's own default: a missing interpreter fails the run under CI (CI is set)
 # and skips its sessions, reported as skipped, elsewhere.
 if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
@@ -94,6 +101,47 @@ def _find_pyenv_interpreters() -> None:
 
 
 _find_pyenv_interpreters()
+
+
+# pip's settings that say where packages come from, and uv's names for them.
+_PIP_TO_UV = {
+    "find-links": "UV_FIND_LINKS",
+    "index-url": "UV_INDEX_URL",
+    "extra-index-url": "UV_EXTRA_INDEX_URL",
+}
+
+
+def _carry_pip_sources_to_uv() -> None:
+    """Give uv the package sources pip is configured with.
+
+    uv reads neither pip's configuration files nor its ``PIP_*`` variables. On
+    machines where pip finds packages through them -- a local folder of wheels
+    holding torch's CPU build, which .ci/constraints.txt pins, and local
+    indexes -- uv would otherwise fetch torch from the package index, where
+    that version is a multi-GB CUDA build. What the user set for uv wins.
+    """
+    try:
+        listed = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return
+    found: dict[str, str] = {}
+    for line in listed.splitlines():  # global.find-links='/opt/wheels', :env:.find-links=...
+        name, _, value = line.partition("=")
+        key = name.rsplit(".", 1)[-1]
+        if key in _PIP_TO_UV:
+            found[_PIP_TO_UV[key]] = value.strip("'\"")
+    for variable, value in found.items():
+        os.environ.setdefault(variable, value)
+    if found:
+        # Every source's versions considered, as pip does (uv's default takes a
+        # package from the first index that has it, a local one here).
+        os.environ.setdefault("UV_INDEX_STRATEGY", "unsafe-best-match")
+
+
+_carry_pip_sources_to_uv()
 
 _SESSION_TIMES: dict[str, tuple[float, str]] = {}
 
@@ -130,7 +178,9 @@ def _print_session_times() -> None:
 
 
 def _install(session: nox.Session, extras: str) -> None:
-    session.install("-e", f".[{extras}]", *CONSTRAINTS)
+    # pip too: a uv venv has none, and tests/test_packaging.py builds and
+    # installs the wheel with it, as a user's pip does.
+    session.install("-e", f".[{extras}]", "pip", *CONSTRAINTS)
 
 
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
@@ -316,7 +366,7 @@ def lowest(session: nox.Session) -> None:
     src = tmp / sdist.name.removesuffix(".tar.gz")
     # Editable, from the unpacked sdist: tests/test_packaging.py builds its own
     # wheel and sdist from this tree and needs qhoptim out of site-packages.
-    session.install("-e", f"{src}[test,jax,mlx]", "tensorflow-cpu", "keras", *LOWEST)
+    session.install("-e", f"{src}[test,jax,mlx]", "tensorflow-cpu", "keras", "pip", *LOWEST)
     session.chdir(src)
     _core_tests(session)
     _conformance(session, "numpy", "optax", "mlx", table="lowest")
