@@ -9,10 +9,13 @@ multi-tensor kernels where it cannot be built.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,31 +42,83 @@ def cpu_extension() -> Any:
             + " and ".join(missing)
             + "; install them, or use fused=False (the multi-tensor kernels)."
         )
-    # The vector width torch found this CPU to have (it dispatches its own
-    # kernels likewise): AVX2 and FMA where present, else the compiler's baseline.
-    # The kernel is built on the machine that runs it, under a name per width and
-    # per source: two qhoptim versions (or two checkouts) sharing torch's
-    # extension cache then each keep their own build instead of rebuilding the
-    # other's, even at the same time.
-    wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    digest = hashlib.sha256(_CSRC.read_bytes()).hexdigest()[:12]
+    name = _extension_name()
+    build_directory = extension_build_directory(name)
     try:
-        return cpp_extension.load(
-            name="qhoptim_fused_cpu" + ("_avx2" if wide else "") + f"_{digest}",
-            sources=[str(_CSRC)],
-            # OpenMP: at::parallel_for is inline, so without it the kernel would run on
-            # one thread; libgomp.so.1 resolves to the copy torch has already loaded.
-            # -std=c++20 (ISO) keeps FMA contraction off: the same rounding either way.
-            extra_cflags=["-O3", "-fno-math-errno", "-fopenmp"]
-            + (["-mavx2", "-mfma"] if wide else []),
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _builder_lock(build_directory):
+            return cpp_extension.load(
+                name=name,
+                sources=[str(_CSRC)],
+                # OpenMP: at::parallel_for is inline, so without it the kernel would run
+                # on one thread; libgomp.so.1 resolves to the copy torch has loaded.
+                # -std=c++20 (ISO) keeps FMA contraction off: the same rounding either way.
+                extra_cflags=["-O3", "-fno-math-errno", "-fopenmp"]
+                + (["-mavx2", "-mfma"] if _wide_vectors() else []),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_directory),
+                verbose=False,
+            )
     except Exception as error:  # the compiler's own failure, with its output
         raise RuntimeError(
             f"fused=True on CPU: compiling qhoptim's C++ kernel ({_CSRC.name}) failed; "
             f"use fused=False (the multi-tensor kernels). The build said: {error}"
         ) from error
+
+
+def _wide_vectors() -> bool:
+    # The vector width torch found this CPU to have (it dispatches its own
+    # kernels likewise): AVX2 and FMA where present, else the compiler's baseline.
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _extension_name() -> str:
+    # The kernel is built on the machine that runs it, under a name per vector
+    # width and per source: two qhoptim versions (or two checkouts) sharing the
+    # extension cache then each keep their own build instead of rebuilding the
+    # other's, even at the same time.
+    digest = hashlib.sha256(_CSRC.read_bytes()).hexdigest()[:12]
+    return "qhoptim_fused_cpu" + ("_avx2" if _wide_vectors() else "") + f"_{digest}"
+
+
+def extension_build_directory(name: str | None = None) -> Path:
+    """Where the kernel is built and cached: one folder per Python, torch and source.
+
+    Under ``TORCH_EXTENSIONS_DIR`` when set, else torch's default extension root.
+    The torch version is part of the path because a build links against one torch.
+    """
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    torch_version = torch.__version__.replace("+", "_")
+    path = Path(root) / f"{python}_torch{torch_version}" / (name or _extension_name())
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _builder_lock(build_directory: Path) -> Iterator[None]:
+    """Hold an OS lock on the build folder while torch builds or loads the kernel.
+
+    torch guards a build with a file (``lock``) that it creates and deletes, and
+    waits for as long as the file exists, so a build killed part-way (a timeout,
+    Ctrl-C, an out-of-memory kill) leaves every later process waiting forever.
+    An ``flock`` is released by the kernel when its holder dies; whoever holds it
+    knows that no live process of ours is building here, so a ``lock`` file it
+    finds was left by a dead one and is removed.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's own file lock alone
+        yield
+        return
+    with open(build_directory / "qhoptim-builder.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ The tests that take ``device`` run on both; the CUDA ones skip without a GPU
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -287,6 +288,35 @@ def test_missing_compiler_or_ninja_is_a_clear_error(monkeypatch: pytest.MonkeyPa
         opt.step()
     assert "fused=False" in str(info.value)
     _extension.cpu_extension.cache_clear()  # built (or loaded from disk) again when next needed
+
+
+def test_a_build_killed_part_way_does_not_block_the_next_process() -> None:
+    # torch guards a build with a lock file that a killed build leaves behind,
+    # and waits for it to go away for as long as it takes. A fresh process must
+    # load (or build) the kernel anyway, in the time a build takes.
+    import subprocess
+    import sys
+
+    from qhoptim.torch import _extension
+
+    stale = _extension.extension_build_directory() / "lock"
+    stale.touch()  # what a process killed mid-build leaves
+    program = (
+        "import torch, qhoptim.torch as qt\n"
+        "p = torch.zeros(5, requires_grad=True); p.grad = torch.ones(5)\n"
+        "qt.QHAdam([p], lr=0.1, fused=True).step()\n"
+        "assert float(p[0]) < 0, p\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the kernel's load waited on a lock file its builder left behind")
+    finally:
+        stale.unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_changing_lr_never_rebuilds_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
