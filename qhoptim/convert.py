@@ -53,13 +53,17 @@ from qhoptim import validation
 __all__ = [
     "QHAdamParams",
     "QHMParams",
+    "QHMuonParams",
+    "SignQHMParams",
     "TwoStateInitialBuffer",
     "aggmo_effective_lr",
     "from_accsgd",
     "from_adam",
     "from_aggmo",
     "from_an_pid",
+    "from_lion",
     "from_momentum",
+    "from_muon",
     "from_nadam",
     "from_nesterov",
     "from_pid",
@@ -100,6 +104,28 @@ class QHAdamParams(NamedTuple):
     def as_kwargs(self) -> dict[str, float | tuple[float, float]]:
         """``{"lr": ..., "betas": ..., "nus": ..., "eps": ...}``."""
         return {"lr": self.lr, "betas": self.betas, "nus": self.nus, "eps": self.eps}
+
+
+class QHMuonParams(NamedTuple):
+    """QHMuon's momentum settings: ``nu`` and ``momentum`` (beta); the learning
+    rate and the orthogonalization stay the Muon's."""
+
+    nu: float
+    momentum: float
+
+    def as_kwargs(self) -> dict[str, float]:
+        """``{"momentum": ..., "nu": ...}``, e.g. ``QHMuon(params, lr=0.02, **p.as_kwargs())``."""
+        return {"momentum": self.momentum, "nu": self.nu}
+
+
+class SignQHMParams(NamedTuple):
+    r"""The settings of *sign-QHM*: :math:`\theta_{t+1} = \theta_t - \alpha\,
+    \mathrm{sign}\left[(1 - \nu) \nabla_t + \nu g_{t+1}\right]` with QHM's buffer
+    :math:`g`. Not a QHM (the sign is taken), so there is no ``as_kwargs``."""
+
+    lr: float
+    nu: float
+    momentum: float
 
 
 class TwoStateInitialBuffer(NamedTuple):
@@ -971,3 +997,58 @@ def from_rmsprop(lr: float, alpha: float, eps: float) -> QHAdamParams:
     alpha = _checked(validation.check_beta, alpha, "alpha")
     eps = _checked(validation.check_eps, eps, "eps")
     return QHAdamParams(lr, (0.0, alpha), (0.0, 1.0), eps)
+
+
+# ------------------------------------------------------------ Muon and Lion
+def from_muon(momentum: float, nesterov: bool = True) -> QHMuonParams:
+    r"""Muon's momentum (``torch.optim.Muon`` semantics) as QHMuon's (exact).
+
+    Source: K. Jordan et al. (2024), "Muon: an optimizer for hidden layers in
+    neural networks", as ``torch.optim.Muon`` and ``mlx.optimizers.Muon``
+    define it: :math:`B_t = \mu B_{t-1} + (1 - \mu) \nabla_t` (a ``lerp``),
+    orthogonalized direction :math:`(1 - \mu) \nabla_t + \mu B_t` with
+    ``nesterov=True``, :math:`B_t` without. That is QHM's direction:
+
+    .. math:: \beta = \mu, \quad \nu = \mu \text{ (Nesterov) or } 1
+
+    The learning rate, its shape adjustment and the Newton-Schulz iteration are
+    unchanged. Keras's Muon (unnormalized buffer) gives the same direction up
+    to a positive scale, which the orthogonalization removes (to its ``eps``).
+
+    Preconditions: ``0 <= momentum < 1``; ``nesterov`` a bool.
+    """
+    momentum = _checked(validation.check_beta, momentum, "momentum")
+    validation.check_bool(nesterov, "nesterov")
+    return QHMuonParams(momentum if nesterov else 1.0, momentum)
+
+
+def from_lion(lr: float, betas: Sequence[float]) -> SignQHMParams:
+    r"""Lion as sign-QHM (exact): the sign of QHM's direction.
+
+    Source: X. Chen et al. (2023), "Symbolic discovery of optimization
+    algorithms", Program 1: :math:`c_t = \beta_1 m_{t-1} + (1 - \beta_1)
+    \nabla_t`, :math:`\theta_t = \theta_{t-1} - \eta\,\mathrm{sign}(c_t)`,
+    :math:`m_t = \beta_2 m_{t-1} + (1 - \beta_2) \nabla_t`. QHM's direction
+    reads the *updated* buffer: with :math:`\beta = \beta_2`,
+    :math:`(1 - \nu) \nabla_t + \nu m_t = \nu \beta_2 m_{t-1} +
+    (1 - \nu \beta_2) \nabla_t`, which is :math:`c_t` for
+
+    .. math:: \alpha = \eta, \quad \nu = \beta_1 / \beta_2, \quad \beta = \beta_2
+
+    (Lion's defaults ``betas=(0.9, 0.99)`` give :math:`\nu = 0.909\ldots`).
+    Lion's decoupled weight decay is the same on both sides.
+
+    Preconditions: ``lr >= 0``; ``0 <= betas[i] < 1``; ``betas[1] > 0`` unless
+    ``betas[0] = 0`` (then :math:`\nu = 0`: signSGD).
+    """
+    b1, b2 = validation.check_pair(betas, "betas")
+    lr = _checked(validation.check_lr, lr, "lr")
+    b1 = _checked(validation.check_beta, b1, "betas[0]")
+    b2 = _checked(validation.check_beta, b2, "betas[1]")
+    if b1 == 0:
+        return SignQHMParams(lr, 0.0, b2)
+    if b2 == 0:
+        raise ValueError(
+            f"betas[1] must be in (0, 1) when betas[0] > 0; received {_received(betas=betas)}"
+        )
+    return SignQHMParams(lr, b1 / b2, b2)

@@ -1,4 +1,4 @@
-"""Float64 NumPy reference implementations of QHM, QHAdam and QHAdamW.
+"""Float64 NumPy reference implementations of QHM, QHAdam, QHAdamW and QHMuon.
 
 These are the oracle of the conformance suite: every backend's trajectory is
 compared with them. They are deliberately plain -- one parameter array at a
@@ -27,7 +27,7 @@ from numpy.typing import NDArray
 
 from qhoptim import rules, validation
 
-__all__ = ["QHM", "QHAdam", "QHAdamState", "QHAdamW", "QHMState"]
+__all__ = ["NUMPY_MATRIX_OPS", "QHM", "QHAdam", "QHAdamState", "QHAdamW", "QHMState", "QHMuon"]
 
 Array = NDArray[np.floating] | NDArray[np.complexfloating]
 
@@ -39,6 +39,16 @@ def _as64(x: object) -> Array:
 
 # |x|**2 of the reference's real and complex arrays
 _abs_sq = functools.partial(rules.abs_square, conj=np.conj, real=np.real)
+
+
+#: :func:`qhoptim.rules.newton_schulz`'s matrix operations on NumPy arrays.
+NUMPY_MATRIX_OPS = rules.MatrixOps(
+    matmul=np.matmul,
+    matmul_add=lambda c, a, b, beta, alpha: beta * c + alpha * (a @ b),
+    transpose=np.transpose,
+    norm=np.linalg.norm,
+    clamp_min=max,
+)
 
 
 class QHMState(NamedTuple):
@@ -210,3 +220,71 @@ class QHAdamW(QHAdam):
 
     weight_decay: float = 1e-2
     decoupled_weight_decay: bool = True
+
+
+@dataclass(frozen=True)
+class QHMuon:
+    """QHMuon, float64 reference: QHM's direction orthogonalized by Muon's
+    Newton-Schulz iteration, for one matrix (``rows x columns``) at a time.
+
+    Args:
+      lr: the learning rate ``alpha``, scaled per shape by
+        :func:`qhoptim.rules.muon_lr_ratio` (``adjust_lr_fn``).
+      momentum: ``beta``, discount factor of the normalized momentum buffer.
+      nu: immediate discount factor; ``nu = momentum`` is Muon with Nesterov
+        momentum, ``nu = 1`` Muon without.
+      weight_decay: ``lambda``, decoupled: ``theta *= 1 - lr * lambda``.
+      ns_coefficients, ns_steps, eps: :func:`qhoptim.rules.newton_schulz`'s.
+      adjust_lr_fn: ``None``, ``"original"`` or ``"match_rms_adamw"``.
+    """
+
+    lr: float
+    momentum: float = 0.95
+    nu: float = 0.95
+    weight_decay: float = 0.0
+    ns_coefficients: tuple[float, float, float] = rules.MUON_NS_COEFFICIENTS
+    ns_steps: int = rules.MUON_NS_STEPS
+    eps: float = rules.MUON_EPS
+    adjust_lr_fn: str | None = None
+
+    def __post_init__(self) -> None:
+        validation.check_qhmuon(
+            lr=self.lr,
+            momentum=self.momentum,
+            nu=self.nu,
+            weight_decay=self.weight_decay,
+            eps=self.eps,
+            ns_steps=self.ns_steps,
+            ns_coefficients=self.ns_coefficients,
+            adjust_lr_fn=self.adjust_lr_fn,
+            adjustments=rules.MUON_LR_ADJUSTMENTS,
+        )
+
+    def init(self, param: object) -> QHMState:
+        theta = _as64(param)
+        if theta.ndim != 2:
+            raise ValueError(f"QHMuon takes matrices; received an array of shape {theta.shape}")
+        return QHMState(np.zeros_like(theta))
+
+    def step(
+        self, param: object, grad: object, state: QHMState, lr: float | None = None
+    ) -> tuple[Array, QHMState]:
+        """Return ``(theta_{t+1}, state_{t+1})``; ``lr`` overrides ``self.lr`` (schedules)."""
+        lr = self.lr if lr is None else validation.check_lr(lr)
+        theta, g = _as64(param), _as64(grad)
+        buf, direction = rules.qhm_update(
+            g, state.momentum_buffer, momentum=self.momentum, nu=self.nu
+        )
+        rows, columns = theta.shape
+        update = rules.newton_schulz(
+            direction,
+            rows=rows,
+            columns=columns,
+            ops=NUMPY_MATRIX_OPS,
+            coefficients=self.ns_coefficients,
+            steps=self.ns_steps,
+            eps=self.eps,
+        )
+        ratio = rules.muon_lr_ratio(self.adjust_lr_fn, rows, columns)
+        decay = rules.decoupled_decay_factor(lr, self.weight_decay)
+        return rules.apply_update(theta, update, lr * ratio, decay), QHMState(buf)

@@ -45,6 +45,11 @@ place of :math:`s_{t+1}`, bias-corrected by the current step's correction:
       \frac{(1 - \nu_1) \nabla_t + \nu_1 g'_{t+1}}
            {\sqrt{(1 - \nu_2) \nabla_t^2 + \nu_2 \hat s_{t+1} / (1 - \beta_2^{t+1})} + \epsilon}
 
+QHMuon applies QHM's direction to each 2-D parameter after orthogonalizing
+it (Muon: Jordan et al., 2024), :func:`newton_schulz` of
+:math:`(1 - \nu) \nabla_t + \nu g_{t+1}`, scaled by :func:`muon_lr_ratio`.
+Muon's Nesterov option is :math:`\nu = \beta`, plain Muon :math:`\nu = 1`.
+
 Weight decay comes in two forms, both defined here: *coupled* (L2) decay adds
 :math:`\lambda \theta` to the gradient (:func:`coupled_weight_decay`, a new
 array: the caller's gradient is never mutated), *decoupled* decay (AdamW,
@@ -59,10 +64,17 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from qhoptim import validation
+
 __all__ = [
     "MAX_DENOMINATOR_RATIO",
+    "MUON_EPS",
+    "MUON_LR_ADJUSTMENTS",
+    "MUON_NS_COEFFICIENTS",
+    "MUON_NS_STEPS",
     "Denominator",
     "FoldedQHAdam",
+    "MatrixOps",
     "QHAdamCoefficients",
     "QHAdamMomentWeights",
     "QHMCoefficients",
@@ -75,6 +87,8 @@ __all__ = [
     "ewma",
     "fold_qhadam",
     "folded_qhadam_step",
+    "muon_lr_ratio",
+    "newton_schulz",
     "qhadam_amsgrad_update",
     "qhadam_coefficients",
     "qhadam_denominator",
@@ -548,3 +562,85 @@ def folded_qhadam_step(
 def _weighted(weight: Any, x: Array) -> Array:
     """``weight * x``; ``x`` itself for the number 1."""
     return x if isinstance(weight, (int, float)) and weight == 1 else weight * x
+
+
+# ------------------------------------------------------------------- QHMuon
+#: Muon's quintic Newton-Schulz coefficients :math:`(a, b, c)`, as every
+#: framework's Muon ships them (they maximize the slope at zero).
+MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+#: Muon's number of Newton-Schulz steps.
+MUON_NS_STEPS = 5
+#: The floor of the norm :func:`newton_schulz` divides by (a zero matrix stays zero).
+MUON_EPS = 1e-7
+#: The learning-rate adjustments :func:`muon_lr_ratio` knows, besides ``None``.
+MUON_LR_ADJUSTMENTS = ("original", "match_rms_adamw")
+
+
+class MatrixOps(NamedTuple):
+    """The matrix operations :func:`newton_schulz` takes from a backend.
+
+    ``matmul_add(c, a, b, beta, alpha)`` is ``beta * c + alpha * (a @ b)``
+    (torch's ``addmm``: one rounding in a narrow dtype), ``norm`` the Frobenius
+    norm and ``clamp_min(x, low)`` the larger of ``x`` and ``low``.
+    """
+
+    matmul: Callable[[Array, Array], Array]
+    matmul_add: Callable[[Array, Array, Array, Any, Any], Array]
+    transpose: Callable[[Array], Array]
+    norm: Callable[[Array], Any]
+    clamp_min: Callable[[Any, float], Any]
+
+
+def newton_schulz(
+    update: Array,
+    *,
+    rows: int,
+    columns: int,
+    ops: MatrixOps,
+    coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
+    steps: int = MUON_NS_STEPS,
+    eps: float = MUON_EPS,
+) -> Array:
+    r"""Muon's orthogonalization of a ``rows x columns`` matrix: ``steps`` quintic
+    Newton-Schulz iterations with ``coefficients`` :math:`(a, b, c)`.
+
+    .. math::
+
+        X_0 = U / \max(\lVert U \rVert_F, \epsilon), \quad
+        A_k = X_k X_k^\top, \quad
+        X_{k+1} = a X_k + (b A_k + c A_k^2) X_k
+
+    run on :math:`U^\top` when ``rows > columns`` (so that :math:`A_k` is the
+    smaller Gram matrix) and transposed back. The Frobenius norm bounds the
+    spectral norm, so the singular values start in :math:`[0, 1]`; the
+    iteration pushes them towards 1 (to roughly :math:`[0.7, 1.2]` with the
+    default coefficients: Muon's "approximately orthogonal"). The dtype is the
+    caller's: frameworks run it in bfloat16 or float32, the reference in float64.
+    """
+    a, b, c = coefficients
+    tall = rows > columns
+    x = ops.transpose(update) if tall else update
+    x = x / ops.clamp_min(ops.norm(x), eps)
+    for _ in range(steps):
+        gram = ops.matmul(x, ops.transpose(x))
+        polynomial = ops.matmul_add(gram, gram, gram, b, c)
+        x = ops.matmul_add(x, polynomial, x, a, 1)
+    return ops.transpose(x) if tall else x
+
+
+def muon_lr_ratio(adjust: str | None, rows: int, columns: int) -> float:
+    r"""The factor Muon multiplies the learning rate by for a ``rows x columns`` matrix.
+
+    * ``"original"`` (and ``None``): :math:`\sqrt{\max(1, \text{rows} / \text{columns})}`,
+      Jordan's Muon, torch's default: an orthogonal tall matrix's update has the
+      RMS of a square one's;
+    * ``"match_rms_adamw"``: :math:`0.2 \sqrt{\max(\text{rows}, \text{columns})}`
+      (Liu et al., 2025, "Muon is scalable for LLM training"): the update's RMS
+      is AdamW's typical 0.2, so AdamW's learning rate and weight decay carry over.
+    """
+    if adjust is None or adjust == "original":
+        return math.sqrt(max(1.0, rows / columns))
+    if adjust == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, columns))
+    validation.check_choice(adjust, "adjust_lr_fn", [None, *MUON_LR_ADJUSTMENTS])
+    raise AssertionError("unreachable")  # pragma: no cover

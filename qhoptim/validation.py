@@ -33,6 +33,7 @@ __all__ = [
     "as_float",
     "check_beta",
     "check_bool",
+    "check_choice",
     "check_conversion",
     "check_eps",
     "check_finite",
@@ -43,6 +44,7 @@ __all__ = [
     "check_pair",
     "check_qhadam",
     "check_qhm",
+    "check_qhmuon",
     "check_unit_interval",
     "check_weight_decay",
     "concrete_float",
@@ -356,3 +358,64 @@ def check_qhadam(
     check_nu2(nu2, n["nu2"])
     check_eps(eps, n["eps"])
     check_weight_decay(weight_decay, n["weight_decay"])
+
+
+def _check_ns_steps(value: object, name: str) -> None:
+    """Newton-Schulz steps: an integer in ``[0, 100)`` (torch's bound: more is never useful)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer; received {name}={value!r}")
+    check_interval(int(value), name, 0, 100)
+
+
+def _check_ns_coefficients(value: object, name: str) -> None:
+    """Newton-Schulz coefficients ``(a, b, c)``: three finite reals."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 3:
+        raise ValueError(f"{name} must be three numbers (a, b, c); received {name}={value!r}")
+    for i, coefficient in enumerate(value):
+        label = f"{name}[{i}]"
+        check_finite(require_real(coefficient, label), label)
+
+
+def check_choice(value: object, name: str, choices: Sequence[object]) -> None:
+    """``value`` one of ``choices`` (``adjust_lr_fn``).
+
+    Anything else is a ``ValueError`` in the shared wording::
+
+        ValueError: adjust_lr_fn must be one of None, 'original'; received adjust_lr_fn='x'
+    """
+    if value in choices and (value is None or isinstance(value, str)):
+        return
+    allowed = ", ".join(map(repr, choices))
+    raise ValueError(f"{name} must be one of {allowed}; received {name}={value!r}")
+
+
+def check_qhmuon(
+    *,
+    lr: object,
+    momentum: object,
+    nu: object,
+    weight_decay: object,
+    eps: object,
+    ns_steps: object,
+    ns_coefficients: object,
+    adjust_lr_fn: object,
+    adjustments: Sequence[str],
+    names: dict[str, str] | None = None,
+) -> None:
+    """Validate a full QHMuon hyperparameter set (``names`` maps to backend spellings).
+
+    ``adjust_lr_fn`` is ``None`` or one of ``adjustments`` (the backend's
+    learning-rate adjustments, :data:`qhoptim.rules.MUON_LR_ADJUSTMENTS`).
+    """
+    n = {
+        "ns_steps": "ns_steps",
+        "ns_coefficients": "ns_coefficients",
+        "adjust_lr_fn": "adjust_lr_fn",
+        "eps": "eps",
+    }
+    n.update(names or {})
+    check_qhm(lr=lr, momentum=momentum, nu=nu, weight_decay=weight_decay, names=names)
+    check_eps(eps, n["eps"])
+    _check_ns_steps(ns_steps, n["ns_steps"])
+    _check_ns_coefficients(ns_coefficients, n["ns_coefficients"])
+    check_choice(adjust_lr_fn, n["adjust_lr_fn"], [None, *adjustments])

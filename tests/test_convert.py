@@ -799,7 +799,7 @@ def _public_conversions() -> list[str]:
 
 def test_property_covers_every_public_conversion() -> None:
     # The property below draws every argument from the signature: nothing is skipped.
-    assert len(_public_conversions()) == 16
+    assert len(_public_conversions()) == 18
 
 
 @settings(max_examples=600, deadline=None)
@@ -813,7 +813,9 @@ def test_property_conversion_returns_valid_params_or_names_an_argument(
     for p in params.values():
         if p.default is not inspect.Parameter.empty and not data.draw(st.booleans(), label=p.name):
             continue
-        if name in ("from_adam", "from_nadam") and p.name == "betas":
+        if p.name == "nesterov":
+            kwargs[p.name] = data.draw(st.booleans(), label=p.name)
+        elif name in ("from_adam", "from_nadam", "from_lion") and p.name == "betas":
             kwargs[p.name] = (data.draw(_reals), data.draw(_reals))
         elif "aggmo" in name and p.name == "betas":
             kwargs[p.name] = data.draw(_rate_lists, label=p.name)
@@ -839,6 +841,13 @@ def test_property_conversion_returns_valid_params_or_names_an_argument(
             nu2=result.nus[1],
             eps=result.eps,
         )
+    elif isinstance(result, convert.QHMuonParams):
+        assert all(type(v) is float and math.isfinite(v) for v in result)
+        assert 0 <= result.momentum < 1
+    elif isinstance(result, convert.SignQHMParams):
+        assert all(type(v) is float and math.isfinite(v) for v in result)
+        assert result.lr >= 0 and 0 <= result.momentum < 1
+        validation.check_qhm(lr=result.lr, momentum=result.momentum, nu=result.nu)
     elif isinstance(result, convert.TwoStateInitialBuffer):
         assert all(math.isfinite(v) for v in result)
     else:  # aggmo_effective_lr

@@ -37,6 +37,7 @@ LAYERS: dict[str, dict[str, int]] = {
         "_optimizer": 5,  # the QHOptimizer base class
         "_qhm": 6,
         "_qhadam": 6,
+        "_qhmuon": 6,
         "_timm": 7,
         "__init__": 8,
     },

@@ -1,7 +1,7 @@
-r"""QHM, QHAdam and QHAdamW for PyTorch (``torch.optim.Optimizer`` subclasses).
+r"""QHM, QHAdam, QHAdamW and QHMuon for PyTorch (``torch.optim.Optimizer`` subclasses).
 
 The layout follows ``torch/optim``: one module per optimizer (``_qhm.py``,
-``_qhadam.py``) holding the class and its functional entry point (:func:`qhm`,
+``_qhadam.py``, ``_qhmuon.py``) holding the class and its functional entry point (:func:`qhm`,
 :func:`qhadam`), which dispatches to a per-tensor (``_single_tensor_*``), a
 multi-tensor (``_multi_tensor_*``) or a fused implementation; the base class
 the two share is in ``_optimizer.py``. Below them, each importing only the
@@ -28,6 +28,7 @@ except ImportError as error:  # pragma: no cover - exercised where torch is abse
 
 from qhoptim.torch._qhadam import QHAdam, QHAdamW, qhadam
 from qhoptim.torch._qhm import QHM, qhm
+from qhoptim.torch._qhmuon import QHMuon, qhmuon
 from qhoptim.torch._timm import register_with_timm
 
-__all__ = ["QHM", "QHAdam", "QHAdamW", "qhadam", "qhm", "register_with_timm"]
+__all__ = ["QHM", "QHAdam", "QHAdamW", "QHMuon", "qhadam", "qhm", "qhmuon", "register_with_timm"]

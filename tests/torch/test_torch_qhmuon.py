@@ -1,0 +1,174 @@
+"""``qhoptim.torch.QHMuon``: torch's Muon bit for bit at ``nu = momentum`` and
+``nu = 1``, the float64 reference elsewhere, checkpoints, and bad input."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from qhoptim import convert, reference
+from qhoptim.torch import QHAdam, QHMuon, qhmuon
+
+F64 = torch.float64
+SHAPES = [(6, 4), (4, 6), (5, 5)]
+
+
+def _params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in SHAPES]
+
+
+def _grads(steps: int, dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [[torch.randn(s, generator=gen, dtype=dtype) for s in SHAPES] for _ in range(steps)]
+
+
+def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: Any) -> None:
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch >= 2.9")
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_equals_torch_muon_bit_for_bit(nesterov: bool, adjust_lr_fn: str | None) -> None:
+    grads = _grads(50)
+    muon_params, qh_params = _params(), _params()
+    settings = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": adjust_lr_fn}
+    muon = torch.optim.Muon(muon_params, momentum=0.9, nesterov=nesterov, **settings)
+    converted = convert.from_muon(0.9, nesterov=nesterov)
+    qh = QHMuon.from_params(qh_params, converted, **settings)
+    _run(muon, muon_params, grads)
+    _run(qh, qh_params, grads)
+    for want, got in zip(muon_params, qh_params, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for want, got in zip(muon_params, qh_params, strict=True):
+        torch.testing.assert_close(
+            qh.state[got]["momentum_buffer"], muon.state[want]["momentum_buffer"], rtol=0, atol=0
+        )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"momentum": 0.9, "nu": 0.7},
+        {"momentum": 0.999, "nu": 1.3, "weight_decay": 0.05},
+        {"momentum": 0.5, "nu": 0.0},
+        {"momentum": 0.9, "nu": -0.2, "adjust_lr_fn": "match_rms_adamw"},
+    ],
+)
+def test_float64_follows_the_reference(settings: dict[str, Any]) -> None:
+    lr, steps = 0.02, 40
+    params = _params(F64)
+    start = [p.detach().numpy().copy() for p in params]
+    grads = _grads(steps, F64)
+    opt = QHMuon(params, lr=lr, ns_dtype=F64, **{"weight_decay": 0.0, **settings})
+    _run(opt, params, grads)
+    ref = reference.QHMuon(lr=lr, **{"weight_decay": 0.0, **settings})
+    for i, theta in enumerate(start):
+        state = ref.init(theta)
+        for step_grads in grads:
+            theta, state = ref.step(theta, step_grads[i].numpy(), state)
+        np.testing.assert_allclose(params[i].detach().numpy(), theta, rtol=1e-12, atol=1e-13)
+
+
+def test_checkpoint_resumes_bit_for_bit() -> None:
+    grads = _grads(10)
+    params = _params()
+    opt = QHMuon(params, lr=0.02, momentum=0.9, nu=0.7)
+    _run(opt, params, grads)
+
+    resumed_params = _params()
+    first = QHMuon(resumed_params, lr=0.02, momentum=0.9, nu=0.7)
+    _run(first, resumed_params, grads[:5])
+    saved = copy.deepcopy(first.state_dict())
+    second = QHMuon(resumed_params, lr=0.5, momentum=0.5, nu=0.1)  # the checkpoint's win
+    second.load_state_dict(saved)
+    _run(second, resumed_params, grads[5:])
+    for want, got in zip(params, resumed_params, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_maximize_is_minimizing_the_negative() -> None:
+    grads = _grads(5)
+    up, down = _params(), _params()
+    _run(QHMuon(up, lr=0.02, nu=0.7, maximize=True), up, grads)
+    _run(QHMuon(down, lr=0.02, nu=0.7), down, [[-g for g in gs] for gs in grads])
+    for a, b in zip(up, down, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_tensor_lr_and_scheduler_and_frozen_parameters() -> None:
+    grads = _grads(6)
+    a, b = _params(), _params()
+    frozen = torch.randn(3, 3, requires_grad=True)
+    opt_a = QHMuon([*a, frozen], lr=torch.tensor(0.02), nu=0.7)
+    opt_b = QHMuon(b, lr=0.02, nu=0.7)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=2, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=2, gamma=0.5)
+    before = frozen.detach().clone()
+    for step_grads in grads:
+        _run(opt_a, a, [step_grads])
+        _run(opt_b, b, [step_grads])
+        sched_a.step()
+        sched_b.step()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert torch.equal(frozen, before) and frozen not in opt_a.state
+
+
+def test_functional_form_is_the_step() -> None:
+    grads = _grads(3)
+    a, b = _params(), _params()
+    opt = QHMuon(a, lr=0.02, nu=0.7, weight_decay=0.0)
+    _run(opt, a, grads)
+    buffers = [torch.zeros_like(p) for p in b]
+    with torch.no_grad():
+        for step_grads in grads:
+            qhmuon(b, step_grads, buffers, lr=0.02, weight_decay=0.0, momentum=0.95, nu=0.7)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("shape", [(5,), (2, 3, 4), ()])
+def test_only_matrices_are_taken(shape: tuple[int, ...]) -> None:
+    bad = torch.zeros(shape, requires_grad=True)
+    with pytest.raises(ValueError, match=r"QHMuon optimizes 2-D parameters only .* shape"):
+        QHMuon([bad])
+    opt = QHMuon([torch.zeros(2, 2, requires_grad=True)])
+    with pytest.raises(ValueError, match="2-D parameters only"):
+        opt.add_param_group({"params": [bad]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"momentum": 1.0}, ValueError, r"momentum must be in \[0, 1\); received momentum=1.0"),
+        ({"nu": float("inf")}, ValueError, "nu must be a finite real number; received nu=inf"),
+        ({"lr": -0.1}, ValueError, r"lr must be in \[0, inf\); received lr=-0.1"),
+        ({"ns_steps": 100}, ValueError, r"ns_steps must be in \[0, 100\); received ns_steps=100"),
+        ({"adjust_lr_fn": "rms"}, ValueError, "adjust_lr_fn must be one of None, 'original'"),
+        ({"ns_dtype": torch.int32}, ValueError, "ns_dtype must be one of bfloat16, float16"),
+        ({"maximize": 1}, TypeError, "maximize must be a bool"),
+    ],
+)
+def test_bad_hyperparameters_are_named(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        QHMuon(_params(), **kwargs)
+
+
+def test_from_params_takes_muon_conversions_only() -> None:
+    with pytest.raises(TypeError, match="QHMuonParams"):
+        QHMuon.from_params(_params(), convert.from_nesterov(0.1, 0.9))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="QHMuonParams"):
+        QHAdam.from_params(_params(), convert.from_muon(0.9))  # type: ignore[arg-type]
