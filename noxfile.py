@@ -60,6 +60,10 @@ BACKEND_TESTS = (
     "tests/integrations",
 )  # fmt: skip
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
+# pytest-timeout (the test extra): far above any test's own time (the slowest,
+# packaging's wheel builds, take a few minutes), so a test that waits forever
+# fails with its stack instead of stalling the run.
+TEST_TIMEOUT = ("--timeout=1200",)
 
 nox.options.sessions = [
     "lint", "tests", "conformance", "torch", "triton", "optax", "keras", "mlx", "distributed",
@@ -186,7 +190,7 @@ def _install(session: nox.Session, extras: str) -> None:
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     # pytest exits 5 when it collects nothing; nox treats any non-zero exit
     # as a failure, so an empty run can never pass silently.
-    session.run("python", "-m", "pytest", *args, *session.posargs, env=env)
+    session.run("python", "-m", "pytest", *TEST_TIMEOUT, *args, *session.posargs, env=env)
 
 
 def _typecheck(session: nox.Session, module: str) -> None:
@@ -451,6 +455,7 @@ def docs(session: nox.Session) -> None:
         "sphinx-build", "-W", "--keep-going", "-E", "-b", "html", "docs", str(html), env=env
     )
     session.run(
-        "python", "-m", "pytest", "tests/docs", "-p", "no:cacheprovider", *session.posargs,
+        "python", "-m", "pytest", *TEST_TIMEOUT, "tests/docs", "-p", "no:cacheprovider",
+        *session.posargs,
         env={"QHOPTIM_DOCS_REQUIRE": "1", "QHOPTIM_DOCS_HTML": str(html)},
     )  # fmt: skip

@@ -1,4 +1,4 @@
-r"""QHM, QHAdam and QHAdamW for Apple's MLX (``mlx.optimizers.Optimizer`` subclasses).
+r"""QHM, QHAdam, QHAdamW and QHMuon for Apple's MLX (``mlx.optimizers.Optimizer`` subclasses).
 
 They are used like ``mlx.optimizers.SGD`` and ``Adam``: ``optimizer.update(model,
 grads)`` after ``nn.value_and_grad``, a learning rate that is a number or one
@@ -49,7 +49,7 @@ except ImportError as error:  # pragma: no cover - exercised where MLX is absent
 
 from qhoptim import convert, rounding, rules, validation
 
-__all__ = ["QHM", "QHAdam", "QHAdamW"]
+__all__ = ["QHM", "QHAdam", "QHAdamW", "QHMuon"]
 
 LearningRate = float | mx.array | Callable[[mx.array], mx.array]
 
@@ -522,3 +522,129 @@ class QHAdamW(QHAdam):
             learning_rate, betas, nus, eps, weight_decay, True, amsgrad=amsgrad,
             state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
         )  # fmt: skip
+
+
+def _matmul_add(c: mx.array, a: mx.array, b: mx.array, beta: float, alpha: float) -> mx.array:
+    """``beta * c + alpha * (a @ b)`` as ``mlx.optimizers.Muon`` forms it:
+    ``addmm(beta * c, a, b, alpha=alpha)``. ``addmm`` takes ``alpha`` as a
+    float32, so in float64 the product is scaled as an array instead, keeping
+    the coefficient's float64 value (the reference's numbers)."""
+    if c.dtype == mx.float64:
+        return beta * c + alpha * mx.matmul(a, b)
+    return mx.addmm(beta * c, a, b, alpha=alpha, beta=1.0)
+
+
+# Newton-Schulz on MLX as ``mlx.optimizers.Muon`` runs it; the norm keeps its
+# dimensions.
+_MLX_MATRIX_OPS = rules.MatrixOps(
+    matmul=mx.matmul,
+    matmul_add=_matmul_add,
+    transpose=lambda x: x.T,
+    norm=lambda x: mx.linalg.norm(x, keepdims=True),
+    clamp_min=mx.maximum,
+)
+
+# The dtypes QHMuon's ns_dtype may be (None: the parameter's own).
+_NS_DTYPES = (mx.bfloat16, mx.float16, mx.float32, mx.float64)
+
+
+class QHMuon(optim.Optimizer):
+    r"""Muon with quasi-hyperbolic momentum: ``mlx.optimizers.Muon`` plus ``nu``.
+
+    .. math::
+
+        g_{t+1} &= \beta g_t + (1 - \beta) (\nabla_t + \lambda \theta_t) \\
+        \theta_{t+1} &= \theta_t - \alpha\, r\, \mathrm{NS}\big((1 - \nu)
+            (\nabla_t + \lambda \theta_t) + \nu g_{t+1}\big)
+
+    MLX's Muon step, operation for operation, with its Nesterov switch replaced
+    by ``nu``: ``nu=momentum`` is ``Muon(nesterov=True)``, ``nu=1``
+    ``Muon(nesterov=False)`` (:func:`qhoptim.convert.from_muon`). As MLX's Muon:
+    the weight decay is coupled (added to the gradient); an array of more than
+    two dimensions is orthogonalized as the matrix ``(shape[0], -1)``; the
+    learning rate is scaled by :math:`r = \sqrt{\max(1, A / B)}` for the last
+    two dimensions :math:`A \times B`; arrays of fewer than two dimensions take
+    QHM's direction as it is (MLX's advice stands: give them, the embedding and
+    the output layer to AdamW). Newton-Schulz is :func:`qhoptim.rules.newton_schulz`
+    with MLX's :math:`\lVert U \rVert_F + 10^{-7}`.
+
+    Args:
+      learning_rate: :math:`\alpha`, a number, an ``mx.array`` or a schedule.
+      momentum: :math:`\beta`, in ``[0, 1)``.
+      nu: :math:`\nu`, any finite real (default Muon's Nesterov, ``0.95``).
+      weight_decay: :math:`\lambda \ge 0`, coupled, as MLX's Muon.
+      ns_steps: Newton-Schulz steps, in ``[0, 100)``.
+      ns_dtype: the dtype Newton-Schulz runs in (None: the parameter's, as
+        MLX's Muon; ``mx.float64`` for the float64 reference's numbers).
+
+    State per parameter: ``momentum_buffer``.
+    """
+
+    def __init__(
+        self,
+        learning_rate: LearningRate,
+        momentum: float = 0.95,
+        nu: float = 0.95,
+        weight_decay: float = 0.01,
+        ns_steps: int = rules.MUON_NS_STEPS,
+        *,
+        ns_dtype: mx.Dtype | None = None,
+    ) -> None:
+        validation.check_qhmuon(
+            lr=learning_rate,
+            momentum=momentum,
+            nu=nu,
+            weight_decay=weight_decay,
+            eps=rules.MUON_EPS,
+            ns_steps=ns_steps,
+            ns_coefficients=rules.MUON_NS_COEFFICIENTS,
+            adjust_lr_fn=None,
+            adjustments=rules.MUON_LR_ADJUSTMENTS,
+            names={"lr": "learning_rate"},
+        )
+        if ns_dtype is not None and ns_dtype not in _NS_DTYPES:
+            names = ", ".join(_dtype_name(d) or "" for d in _NS_DTYPES)
+            raise ValueError(
+                f"ns_dtype must be None or one of {names}; received ns_dtype={ns_dtype!r}"
+            )
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
+        self.momentum, self.nu = validation.as_float(momentum), validation.as_float(nu)
+        self.weight_decay = validation.as_float(weight_decay)
+        self.ns_steps, self.ns_dtype = int(ns_steps), ns_dtype
+
+    @classmethod
+    def from_params(cls, params: convert.QHMuonParams, **kwargs: Any) -> QHMuon:
+        """Build from :func:`qhoptim.convert.from_muon`'s settings; ``kwargs``
+        (``learning_rate`` first) go to the constructor."""
+        validation.check_conversion(f"{cls.__name__}.from_params", params, convert.QHMuonParams)
+        return cls(**{**params.as_kwargs(), **kwargs})
+
+    def init_single(self, parameter: mx.array, state: dict[str, Any]) -> None:
+        _check_real(parameter)
+        state["momentum_buffer"] = mx.zeros_like(parameter)
+
+    def apply_single(
+        self, gradient: mx.array, parameter: mx.array, state: dict[str, Any]
+    ) -> mx.array:
+        if self.weight_decay != 0:
+            gradient = rules.coupled_weight_decay(gradient, parameter, self.weight_decay)
+        state["momentum_buffer"], direction = rules.qhm_update(
+            gradient, state["momentum_buffer"], momentum=self.momentum, nu=self.nu
+        )
+        lr = self.learning_rate.astype(gradient.dtype)
+        if direction.ndim < 2:
+            stepped: mx.array = rules.apply_update(parameter, direction, lr)
+            return stepped
+        matrix = direction.reshape(direction.shape[0], -1)
+        if self.ns_dtype is not None:
+            matrix = matrix.astype(self.ns_dtype)
+        rows, columns = matrix.shape
+        orthogonal = rules.newton_schulz(
+            matrix, rows=rows, columns=columns, ops=_MLX_MATRIX_OPS,
+            steps=self.ns_steps, norm_guard="add",
+        )  # fmt: skip
+        update = orthogonal.reshape(direction.shape).astype(direction.dtype)
+        ratio = rules.muon_lr_ratio(None, direction.shape[-2], direction.shape[-1])
+        stepped = rules.apply_update(parameter, update, lr * ratio)
+        return stepped

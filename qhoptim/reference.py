@@ -236,6 +236,10 @@ class QHMuon:
       weight_decay: ``lambda``, decoupled: ``theta *= 1 - lr * lambda``.
       ns_coefficients, ns_steps, eps: :func:`qhoptim.rules.newton_schulz`'s.
       adjust_lr_fn: ``None``, ``"original"`` or ``"match_rms_adamw"``.
+      norm_guard: ``"max"`` (torch) or ``"add"`` (MLX, Keras, optax): how ``eps``
+        keeps the norm Newton-Schulz divides by from zero.
+      decoupled_weight_decay: ``True`` (torch, Keras, optax) multiplies theta by
+        ``1 - lr * lambda``; ``False`` (MLX) adds ``lambda * theta`` to the gradient.
     """
 
     lr: float
@@ -246,6 +250,8 @@ class QHMuon:
     ns_steps: int = rules.MUON_NS_STEPS
     eps: float = rules.MUON_EPS
     adjust_lr_fn: str | None = None
+    norm_guard: str = "max"
+    decoupled_weight_decay: bool = True
 
     def __post_init__(self) -> None:
         validation.check_qhmuon(
@@ -259,6 +265,8 @@ class QHMuon:
             adjust_lr_fn=self.adjust_lr_fn,
             adjustments=rules.MUON_LR_ADJUSTMENTS,
         )
+        validation.check_choice(self.norm_guard, "norm_guard", rules.MUON_NORM_GUARDS)
+        validation.check_bool(self.decoupled_weight_decay, "decoupled_weight_decay")
 
     def init(self, param: object) -> QHMState:
         theta = _as64(param)
@@ -272,6 +280,8 @@ class QHMuon:
         """Return ``(theta_{t+1}, state_{t+1})``; ``lr`` overrides ``self.lr`` (schedules)."""
         lr = self.lr if lr is None else validation.check_lr(lr)
         theta, g = _as64(param), _as64(grad)
+        if not self.decoupled_weight_decay:
+            g = rules.coupled_weight_decay(g, theta, self.weight_decay)
         buf, direction = rules.qhm_update(
             g, state.momentum_buffer, momentum=self.momentum, nu=self.nu
         )
@@ -284,7 +294,9 @@ class QHMuon:
             coefficients=self.ns_coefficients,
             steps=self.ns_steps,
             eps=self.eps,
+            norm_guard=self.norm_guard,
         )
         ratio = rules.muon_lr_ratio(self.adjust_lr_fn, rows, columns)
-        decay = rules.decoupled_decay_factor(lr, self.weight_decay)
+        wd = self.weight_decay if self.decoupled_weight_decay else 0.0
+        decay = rules.decoupled_decay_factor(lr, wd)
         return rules.apply_update(theta, update, lr * ratio, decay), QHMState(buf)

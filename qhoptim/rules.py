@@ -70,6 +70,7 @@ __all__ = [
     "MAX_DENOMINATOR_RATIO",
     "MUON_EPS",
     "MUON_LR_ADJUSTMENTS",
+    "MUON_NORM_GUARDS",
     "MUON_NS_COEFFICIENTS",
     "MUON_NS_STEPS",
     "Denominator",
@@ -574,6 +575,10 @@ MUON_NS_STEPS = 5
 MUON_EPS = 1e-7
 #: The learning-rate adjustments :func:`muon_lr_ratio` knows, besides ``None``.
 MUON_LR_ADJUSTMENTS = ("original", "match_rms_adamw")
+#: How a Muon keeps the norm it divides by away from zero: ``"max"``,
+#: :math:`\max(\lVert U \rVert_F, \epsilon)` (torch), or ``"add"``,
+#: :math:`\lVert U \rVert_F + \epsilon` (MLX, Keras, optax).
+MUON_NORM_GUARDS = ("max", "add")
 
 
 class MatrixOps(NamedTuple):
@@ -600,13 +605,15 @@ def newton_schulz(
     coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS,
     steps: int = MUON_NS_STEPS,
     eps: float = MUON_EPS,
+    norm_guard: str = "max",
 ) -> Array:
     r"""Muon's orthogonalization of a ``rows x columns`` matrix: ``steps`` quintic
     Newton-Schulz iterations with ``coefficients`` :math:`(a, b, c)`.
 
     .. math::
 
-        X_0 = U / \max(\lVert U \rVert_F, \epsilon), \quad
+        X_0 = U / \max(\lVert U \rVert_F, \epsilon)
+            \text{ or } U / (\lVert U \rVert_F + \epsilon), \quad
         A_k = X_k X_k^\top, \quad
         X_{k+1} = a X_k + (b A_k + c A_k^2) X_k
 
@@ -616,11 +623,19 @@ def newton_schulz(
     iteration pushes them towards 1 (to roughly :math:`[0.7, 1.2]` with the
     default coefficients: Muon's "approximately orthogonal"). The dtype is the
     caller's: frameworks run it in bfloat16 or float32, the reference in float64.
+    ``norm_guard`` (:data:`MUON_NORM_GUARDS`) says how ``eps`` guards the norm,
+    as the host framework's Muon does.
     """
     a, b, c = coefficients
     tall = rows > columns
     x = ops.transpose(update) if tall else update
-    x = x / ops.clamp_min(ops.norm(x), eps)
+    norm = ops.norm(x)
+    if norm_guard == "max":
+        x = x / ops.clamp_min(norm, eps)
+    elif norm_guard == "add":
+        x = x / (norm + eps)
+    else:
+        validation.check_choice(norm_guard, "norm_guard", MUON_NORM_GUARDS)
     for _ in range(steps):
         gram = ops.matmul(x, ops.transpose(x))
         polynomial = ops.matmul_add(gram, gram, gram, b, c)

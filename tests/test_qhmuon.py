@@ -273,3 +273,17 @@ def test_check_qhmuon_names_argument_range_and_value(
 def test_check_qhmuon_passes_good_settings_and_any_finite_nu() -> None:
     for nu in (-0.5, 0.0, 1.0, 1.7):
         validation.check_qhmuon(**{**_GOOD, "nu": nu})
+
+
+def test_norm_guards_divide_by_the_guarded_norm() -> None:
+    # steps=0 leaves the normalized matrix: U / max(|U|, eps) or U / (|U| + eps).
+    ops = reference.NUMPY_MATRIX_OPS
+    small = np.full((2, 2), 1e-8)  # Frobenius norm 2e-8, below eps = 1e-7
+    by_max = rules.newton_schulz(small, rows=2, columns=2, ops=ops, steps=0, norm_guard="max")
+    by_add = rules.newton_schulz(small, rows=2, columns=2, ops=ops, steps=0, norm_guard="add")
+    np.testing.assert_allclose(by_max, small / 1e-7, rtol=1e-15)
+    np.testing.assert_allclose(by_add, small / (2e-8 + 1e-7), rtol=1e-15)
+    with pytest.raises(ValueError, match="norm_guard must be one of 'max', 'add'; received"):
+        rules.newton_schulz(small, rows=2, columns=2, ops=ops, norm_guard="clip")
+    with pytest.raises(ValueError, match="norm_guard must be one of 'max', 'add'"):
+        reference.QHMuon(lr=0.1, norm_guard="clip")

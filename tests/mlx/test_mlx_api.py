@@ -56,8 +56,8 @@ X0 = np.linspace(-1.0, 1.5, 6)
 
 
 def test_the_public_api() -> None:
-    assert qhmlx.__all__ == ["QHM", "QHAdam", "QHAdamW"]
-    for cls in (QHM, QHAdam, QHAdamW):
+    assert qhmlx.__all__ == ["QHM", "QHAdam", "QHAdamW", "QHMuon"]
+    for cls in (QHM, QHAdam, QHAdamW, qhmlx.QHMuon):
         assert issubclass(cls, optim.Optimizer)
     assert issubclass(QHAdamW, QHAdam)
 

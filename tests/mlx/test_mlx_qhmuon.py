@@ -1,0 +1,115 @@
+"""``qhoptim.mlx.QHMuon``: MLX's Muon bit for bit at ``nu = momentum`` and
+``nu = 1``, the float64 reference elsewhere, its state, and bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+
+from qhoptim import convert, reference
+from qhoptim.mlx import QHM, QHMuon
+
+F64 = mx.float64
+# A matrix each way, an array of three dimensions (orthogonalized as
+# (shape[0], -1)) and a vector (QHM's direction as it is), as MLX's Muon takes them.
+SHAPES = {"tall": (6, 4), "wide": (4, 6), "conv": (3, 2, 2), "bias": (5,)}
+
+
+def _arrays(seed: int, dtype: Any = mx.float32) -> dict[str, mx.array]:
+    rng = np.random.default_rng(seed)
+    return {k: mx.array(rng.standard_normal(s), dtype=dtype) for k, s in SHAPES.items()}
+
+
+def _run(opt: optim.Optimizer, params: dict[str, mx.array], steps: int, first: int = 0) -> Any:
+    for t in range(first, first + steps):
+        params = opt.apply_gradients(_arrays(100 + t, params["tall"].dtype), params)
+    mx.eval(params, opt.state)
+    return params
+
+
+@pytest.mark.skipif(not hasattr(optim, "Muon"), reason="this MLX has no optimizers.Muon")
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_equals_mlx_muon_bit_for_bit(nesterov: bool) -> None:
+    muon = optim.Muon(0.02, momentum=0.9, weight_decay=0.01, nesterov=nesterov)
+    qh = QHMuon.from_params(convert.from_muon(0.9, nesterov), learning_rate=0.02, weight_decay=0.01)
+    want, got = _run(muon, _arrays(0), 50), _run(qh, _arrays(0), 50)
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.array(got[k]), np.array(want[k]), err_msg=k)
+        np.testing.assert_array_equal(
+            np.array(qh.state[k]["momentum_buffer"]), np.array(muon.state[k]["v"]), err_msg=k
+        )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"momentum": 0.9, "nu": 0.7},
+        {"momentum": 0.999, "nu": 1.3, "weight_decay": 0.05},
+        {"momentum": 0.5, "nu": 0.0},
+    ],
+)
+def test_float64_follows_the_reference(settings: dict[str, Any]) -> None:
+    ref = reference.QHMuon(
+        lr=0.02, **{"weight_decay": 0.0, **settings}, norm_guard="add",
+        decoupled_weight_decay=False,
+    )  # fmt: skip
+    opt = QHMuon(mx.array(0.02, dtype=F64), **{"weight_decay": 0.0, **settings}, ns_dtype=F64)
+    start = _arrays(0, F64)
+    with mx.stream(mx.cpu):  # float64 runs on MLX's CPU stream
+        got = _run(opt, dict(start), 30)
+    for k in ("tall", "wide"):
+        theta = np.array(start[k])
+        state = ref.init(theta)
+        for t in range(30):
+            theta, state = ref.step(theta, np.array(_arrays(100 + t, F64)[k]), state)
+        np.testing.assert_allclose(np.array(got[k]), theta, rtol=1e-12, atol=1e-13)
+
+
+def test_vectors_take_qhm_direction() -> None:
+    # Fewer than two dimensions: no orthogonalization, no shape ratio: QHM's step.
+    qh = QHMuon(0.1, momentum=0.9, nu=0.7, weight_decay=0.0)
+    qhm = QHM(0.1, momentum=0.9, nu=0.7)
+    a = b = {"bias": mx.array([1.0, -2.0, 3.0])}
+    for t in range(5):
+        g = {"bias": mx.array([0.5, 0.25 * t, -1.0])}
+        a, b = qh.apply_gradients(g, a), qhm.apply_gradients(g, b)
+    np.testing.assert_array_equal(np.array(a["bias"]), np.array(b["bias"]))
+
+
+def test_state_resumes_bit_for_bit() -> None:
+    whole = _run(QHMuon(0.02, nu=0.7), _arrays(0), 10)
+    first = QHMuon(0.02, nu=0.7)
+    half = _run(first, _arrays(0), 5)
+    second = QHMuon(0.02, nu=0.7)
+    second.state = tree_map(lambda a: mx.array(np.array(a)), first.state)  # a checkpoint's copy
+    resumed = _run(second, half, 5, first=5)
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.array(resumed[k]), np.array(whole[k]), err_msg=k)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"momentum": 1.0}, ValueError, r"momentum must be in \[0, 1\); received momentum=1.0"),
+        ({"nu": float("nan")}, ValueError, "nu must be a finite real number; received nu=nan"),
+        ({"learning_rate": -1.0}, ValueError, r"learning_rate must be in \[0, inf\)"),
+        ({"ns_steps": -1}, ValueError, r"ns_steps must be in \[0, 100\); received ns_steps=-1"),
+        ({"ns_dtype": mx.int32}, ValueError, "ns_dtype must be None or one of bfloat16"),
+    ],
+)
+def test_bad_hyperparameters_are_named(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        QHMuon(**{"learning_rate": 0.02, **kwargs})
+
+
+def test_from_params_takes_muon_conversions_only() -> None:
+    expected = r"QHMuon\.from_params expects qhoptim\.convert\.QHMuonParams"
+    with pytest.raises(TypeError, match=expected):
+        QHMuon.from_params(convert.from_nesterov(0.1, 0.9), learning_rate=0.1)  # type: ignore[arg-type]
