@@ -27,7 +27,16 @@ from numpy.typing import NDArray
 
 from qhoptim import rules, validation
 
-__all__ = ["NUMPY_MATRIX_OPS", "QHM", "QHAdam", "QHAdamState", "QHAdamW", "QHMState", "QHMuon"]
+__all__ = [
+    "NUMPY_MATRIX_OPS",
+    "QHM",
+    "QHAdam",
+    "QHAdamState",
+    "QHAdamW",
+    "QHMState",
+    "QHMuon",
+    "QHMuonState",
+]
 
 Array = NDArray[np.floating] | NDArray[np.complexfloating]
 
@@ -55,6 +64,14 @@ class QHMState(NamedTuple):
     """QHM's state: the normalized momentum buffer ``g``."""
 
     momentum_buffer: Array
+
+
+class QHMuonState(NamedTuple):
+    """QHMuon's state: the normalized momentum buffer and the step count (which
+    only the bias-corrected form reads)."""
+
+    momentum_buffer: Array
+    step: int = 0
 
 
 class QHAdamState(NamedTuple):
@@ -240,6 +257,10 @@ class QHMuon:
         keeps the norm Newton-Schulz divides by from zero.
       decoupled_weight_decay: ``True`` (torch, Keras, optax) multiplies theta by
         ``1 - lr * lambda``; ``False`` (MLX) adds ``lambda * theta`` to the gradient.
+      bias_corrected: optax's direction,
+        :func:`qhoptim.rules.qhm_bias_corrected_direction`, instead of QHM's.
+      fan_in_first: the matrix is ``(fan_in, fan_out)`` (optax, Keras) rather
+        than ``(fan_out, fan_in)`` (torch, MLX), for the shape's ratio.
     """
 
     lr: float
@@ -252,6 +273,8 @@ class QHMuon:
     adjust_lr_fn: str | None = None
     norm_guard: str = "max"
     decoupled_weight_decay: bool = True
+    bias_corrected: bool = False
+    fan_in_first: bool = False
 
     def __post_init__(self) -> None:
         validation.check_qhmuon(
@@ -267,24 +290,38 @@ class QHMuon:
         )
         validation.check_choice(self.norm_guard, "norm_guard", rules.MUON_NORM_GUARDS)
         validation.check_bool(self.decoupled_weight_decay, "decoupled_weight_decay")
+        validation.check_bool(self.bias_corrected, "bias_corrected")
+        validation.check_bool(self.fan_in_first, "fan_in_first")
 
-    def init(self, param: object) -> QHMState:
+    def init(self, param: object) -> QHMuonState:
         theta = _as64(param)
         if theta.ndim != 2:
             raise ValueError(f"QHMuon takes matrices; received an array of shape {theta.shape}")
-        return QHMState(np.zeros_like(theta))
+        return QHMuonState(np.zeros_like(theta))
 
     def step(
-        self, param: object, grad: object, state: QHMState, lr: float | None = None
-    ) -> tuple[Array, QHMState]:
+        self, param: object, grad: object, state: QHMuonState, lr: float | None = None
+    ) -> tuple[Array, QHMuonState]:
         """Return ``(theta_{t+1}, state_{t+1})``; ``lr`` overrides ``self.lr`` (schedules)."""
         lr = self.lr if lr is None else validation.check_lr(lr)
         theta, g = _as64(param), _as64(grad)
         if not self.decoupled_weight_decay:
             g = rules.coupled_weight_decay(g, theta, self.weight_decay)
-        buf, direction = rules.qhm_update(
-            g, state.momentum_buffer, momentum=self.momentum, nu=self.nu
-        )
+        step = state.step + 1
+        if self.bias_corrected:
+            buf = rules.ewma(state.momentum_buffer, g, self.momentum)
+            grad_correction = rules.bias_correction(self.momentum, step)
+            direction = rules.qhm_bias_corrected_direction(
+                g,
+                buf,
+                nu=self.nu,
+                grad_correction=grad_correction,
+                buffer_correction=rules.qhmuon_buffer_correction(self.nu, grad_correction),
+            )
+        else:
+            buf, direction = rules.qhm_update(
+                g, state.momentum_buffer, momentum=self.momentum, nu=self.nu
+            )
         rows, columns = theta.shape
         update = rules.newton_schulz(
             direction,
@@ -296,7 +333,8 @@ class QHMuon:
             eps=self.eps,
             norm_guard=self.norm_guard,
         )
-        ratio = rules.muon_lr_ratio(self.adjust_lr_fn, rows, columns)
+        fan_out, fan_in = (columns, rows) if self.fan_in_first else (rows, columns)
+        ratio = rules.muon_lr_ratio(self.adjust_lr_fn, fan_out, fan_in)
         wd = self.weight_decay if self.decoupled_weight_decay else 0.0
         decay = rules.decoupled_decay_factor(lr, wd)
-        return rules.apply_update(theta, update, lr * ratio, decay), QHMState(buf)
+        return rules.apply_update(theta, update, lr * ratio, decay), QHMuonState(buf, step)

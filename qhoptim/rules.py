@@ -95,8 +95,10 @@ __all__ = [
     "qhadam_denominator",
     "qhadam_moment_weights",
     "qhadam_update",
+    "qhm_bias_corrected_direction",
     "qhm_coefficients",
     "qhm_update",
+    "qhmuon_buffer_correction",
     "weight_decay_terms",
 ]
 
@@ -643,19 +645,54 @@ def newton_schulz(
     return ops.transpose(x) if tall else x
 
 
-def muon_lr_ratio(adjust: str | None, rows: int, columns: int) -> float:
-    r"""The factor Muon multiplies the learning rate by for a ``rows x columns`` matrix.
+def qhmuon_buffer_correction(nu: Any, grad_correction: Any, *, minimum: Any = min) -> Any:
+    r"""The buffer term's bias correction :math:`1 - \min(\nu, 1)\,\beta^t` of
+    optax's Muon form (:func:`qhm_bias_corrected_direction`), from the gradient
+    term's :math:`c = 1 - \beta^t` (:func:`bias_correction`).
 
-    * ``"original"`` (and ``None``): :math:`\sqrt{\max(1, \text{rows} / \text{columns})}`,
+    Written :math:`c + (1 - c)(1 - \min(\nu, 1))`: two non-negative terms, so
+    it keeps the precision of :math:`c` near :math:`\beta = 1` (no cancellation).
+    At :math:`\nu = \beta` it is :math:`1 - \beta^{t+1}`, optax's Nesterov
+    correction; at :math:`\nu \ge 1`, :math:`c`. ``minimum`` is the backend's
+    (``jnp.minimum`` for a traced ``nu``).
+    """
+    return grad_correction + (1 - grad_correction) * (1 - minimum(nu, 1))
+
+
+def qhm_bias_corrected_direction(
+    grad: Array, momentum_buffer: Array, *, nu: Any, grad_correction: Any, buffer_correction: Any
+) -> Array:
+    r"""QHM's direction with both terms bias-corrected, as optax's Muon forms it.
+
+    .. math:: \nu \frac{g_{t+1}}{1 - \min(\nu, 1)\beta^t}
+        + (1 - \nu) \frac{\nabla_t}{1 - \beta^t}
+
+    (``grad_correction`` :math:`1 - \beta^t`, ``buffer_correction`` from
+    :func:`qhmuon_buffer_correction`). ``optax.contrib.muon`` with Nesterov is
+    :math:`\nu = \beta` (its :math:`\beta \hat m_{t+1} + (1 - \beta) \hat g_t`,
+    the buffer corrected by :math:`1 - \beta^{t+1}`); without, :math:`\nu = 1`
+    (:math:`g_{t+1} / (1 - \beta^t)`).
+    """
+    return nu * (momentum_buffer / buffer_correction) + (1 - nu) * (grad / grad_correction)
+
+
+def muon_lr_ratio(adjust: str | None, fan_out: int, fan_in: int, *, rms: float = 0.2) -> float:
+    r"""The factor Muon multiplies the learning rate by for a ``fan_out x fan_in`` matrix.
+
+    * ``"original"`` (and ``None``): :math:`\sqrt{\max(1, \text{fan\_out} / \text{fan\_in})}`,
       Jordan's Muon, torch's default: an orthogonal tall matrix's update has the
       RMS of a square one's;
-    * ``"match_rms_adamw"``: :math:`0.2 \sqrt{\max(\text{rows}, \text{columns})}`
-      (Liu et al., 2025, "Muon is scalable for LLM training"): the update's RMS
-      is AdamW's typical 0.2, so AdamW's learning rate and weight decay carry over.
+    * ``"match_rms_adamw"``: :math:`\text{rms} \sqrt{\max(\text{fan\_out}, \text{fan\_in})}`
+      (Liu et al., 2025, "Muon is scalable for LLM training"; ``rms = 0.2``):
+      the update's RMS is AdamW's typical 0.2, so AdamW's learning rate and
+      weight decay carry over.
+
+    torch and MLX store a layer's weight as ``(fan_out, fan_in)``: their
+    ``rows x columns``; optax and Keras as ``(fan_in, fan_out)``.
     """
     if adjust is None or adjust == "original":
-        return math.sqrt(max(1.0, rows / columns))
+        return math.sqrt(max(1.0, fan_out / fan_in))
     if adjust == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, columns))
+        return rms * math.sqrt(max(fan_out, fan_in))
     validation.check_choice(adjust, "adjust_lr_fn", [None, *MUON_LR_ADJUSTMENTS])
     raise AssertionError("unreachable")  # pragma: no cover

@@ -287,3 +287,29 @@ def test_norm_guards_divide_by_the_guarded_norm() -> None:
         rules.newton_schulz(small, rows=2, columns=2, ops=ops, norm_guard="clip")
     with pytest.raises(ValueError, match="norm_guard must be one of 'max', 'add'"):
         reference.QHMuon(lr=0.1, norm_guard="clip")
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.9, 0.999])
+@pytest.mark.parametrize("t", [1, 2, 10, 1000])
+def test_bias_corrected_direction_is_optax_muon_at_both_ends(beta: float, t: int) -> None:
+    # optax.contrib.scale_by_muon: Nesterov beta * m / (1 - beta**(t+1)) +
+    # (1 - beta) * g / (1 - beta**t); without, m / (1 - beta**t).
+    g, m = RNG.standard_normal(4), RNG.standard_normal(4)
+    c = rules.bias_correction(beta, t)
+
+    def direction(nu: float) -> np.ndarray:
+        buffer_correction = rules.qhmuon_buffer_correction(nu, c)
+        return rules.qhm_bias_corrected_direction(
+            g, m, nu=nu, grad_correction=c, buffer_correction=buffer_correction
+        )
+
+    nesterov = beta * m / (1 - beta ** (t + 1)) + (1 - beta) * g / (1 - beta**t)
+    np.testing.assert_allclose(direction(beta), nesterov, rtol=1e-10)
+    np.testing.assert_allclose(direction(1.0), m / (1 - beta**t), rtol=1e-12)
+    # Above 1 the buffer keeps the plain correction; below 0 the correction grows.
+    assert rules.qhmuon_buffer_correction(1.5, c) == c
+    assert rules.qhmuon_buffer_correction(-0.5, c) == pytest.approx(1 + 0.5 * beta**t)
+
+
+def test_match_rms_adamw_takes_the_rms() -> None:
+    assert rules.muon_lr_ratio("match_rms_adamw", 4, 16, rms=0.3) == pytest.approx(1.2)

@@ -204,7 +204,8 @@ def test_from_params_rejects_other_types(params) -> None:
         qho.from_params(params)
     message = str(info.value)
     assert message.startswith(
-        "from_params expects qhoptim.convert.QHMParams or qhoptim.convert.QHAdamParams; received "
+        "from_params expects qhoptim.convert.QHMParams or qhoptim.convert.QHAdamParams or "
+        "qhoptim.convert.QHMuonParams; received "
     )
     assert message.endswith(type(params).__name__)
 

@@ -1,0 +1,149 @@
+"""``qhoptim.optax.qhmuon``: ``optax.contrib.muon`` at ``nu = beta`` and
+``nu = 1`` (to its rounding), the float64 reference elsewhere, AdamW for what
+is not a matrix, its state, and bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qhoptim.optax as qho
+from qhoptim import convert, reference
+
+# A matrix each way, a square one, and a vector (AdamW's, as optax's Muon routes it).
+SHAPES = {"tall": (6, 4), "wide": (4, 6), "square": (5, 5), "bias": (5,)}
+MATRICES = ("tall", "wide", "square")
+
+
+def _tree(seed: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in SHAPES.items()}
+
+
+def _run(tx: optax.GradientTransformation, params: Any, steps: int, first: int = 0, state=None):
+    """``steps`` jitted steps (eager JAX would dispatch each small op: minutes)."""
+    state = tx.init(params) if state is None else state
+
+    @jax.jit
+    def step(grads: Any, state: Any, params: Any) -> Any:
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for t in range(first, first + steps):
+        params, state = step(_tree(100 + t, params["tall"].dtype), state, params)
+    return params, state
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("consistent_rms", [None, 0.2])
+def test_equals_optax_muon(nesterov: bool, consistent_rms: float | None) -> None:
+    settings = {"weight_decay": 0.1, "consistent_rms": consistent_rms}
+    muon = optax.contrib.muon(0.02, beta=0.9, nesterov=nesterov, **settings)
+    converted = convert.from_muon(0.9, nesterov)
+    qh = qho.qhmuon(
+        0.02, beta=converted.momentum, nu=converted.nu, adam_nesterov=nesterov, **settings
+    )
+    want, _ = _run(muon, _tree(0), 50)
+    got, _ = _run(qh, _tree(0), 50)
+    # AdamW's arrays are optax's own step: bit for bit.
+    np.testing.assert_array_equal(np.asarray(got["bias"]), np.asarray(want["bias"]))
+    # The matrices: the same operations but for the bias corrections, which
+    # follow qhoptim's float32 policy (rules.bias_correction): float32 rounding.
+    for k in MATRICES:
+        scale = float(jnp.max(jnp.abs(want[k])))
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"beta": 0.9, "nu": 0.7},
+        {"beta": 0.999, "nu": 1.3, "weight_decay": 0.05},
+        {"beta": 0.5, "nu": 0.0, "consistent_rms": 0.2},
+        {"beta": 0.9, "nu": -0.2},
+    ],
+)
+def test_float64_follows_the_reference(settings: dict[str, Any]) -> None:
+    settings = {"weight_decay": 0.0, "consistent_rms": None, **settings}
+    tx = qho.qhmuon(0.02, **settings)
+    start = _tree(0, jnp.float64)
+    got, _ = _run(tx, start, 30)
+    ref = reference.QHMuon(
+        lr=0.02,
+        momentum=settings["beta"],
+        nu=settings["nu"],
+        weight_decay=settings["weight_decay"],
+        eps=1e-8,
+        adjust_lr_fn=None if settings["consistent_rms"] is None else "match_rms_adamw",
+        norm_guard="add",
+        bias_corrected=True,
+        fan_in_first=True,
+    )
+    for k in MATRICES:
+        theta = np.asarray(start[k])
+        state = ref.init(theta)
+        for t in range(30):
+            theta, state = ref.step(theta, np.asarray(_tree(100 + t, jnp.float64)[k]), state)
+        np.testing.assert_allclose(np.asarray(got[k]), theta, rtol=1e-12, atol=1e-13)
+
+
+def test_state_resumes_bit_for_bit_and_eager_steps_as_jitted() -> None:
+    tx = qho.qhmuon(0.02, beta=0.9, nu=0.7)
+    whole, _ = _run(tx, _tree(0), 10)
+    half, state = _run(tx, _tree(0), 5)
+    saved = jax.tree.map(np.asarray, state)  # a checkpoint's host copy
+    resumed, _ = _run(tx, half, 5, first=5, state=jax.tree.map(jnp.asarray, saved))
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.asarray(resumed[k]), np.asarray(whole[k]))
+    # Eager, one step: what jit compiled, to float32's rounding (XLA fuses).
+    params = _tree(0)
+    eager, _ = tx.update(_tree(100), tx.init(params), params)
+    jitted, _ = _run(tx, params, 1)
+    for k in SHAPES:
+        want = np.asarray(optax.apply_updates(params, eager)[k])
+        np.testing.assert_allclose(np.asarray(jitted[k]), want, atol=1e-6 * np.abs(want).max())
+
+
+def test_scale_by_qhmuon_state_and_matrices_only() -> None:
+    tx = qho.scale_by_qhmuon(beta=0.9, nu=0.7, mu_dtype=jnp.bfloat16)
+    params = {"w": jnp.ones((3, 2))}
+    state = tx.init(params)
+    assert isinstance(state, qho.ScaleByQHMuonState)
+    assert state.momentum_buffer["w"].dtype == jnp.bfloat16 and int(state.count) == 0
+    _, state = tx.update({"w": jnp.ones((3, 2))}, state)
+    assert int(state.count) == 1 and state.momentum_buffer["w"].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"scale_by_qhmuon takes matrices only .* \(4,\)"):
+        tx.init({"b": jnp.ones(4)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"beta": 1.0}, ValueError, r"beta must be in \[0, 1\); received beta=1.0"),
+        ({"nu": float("inf")}, ValueError, "nu must be a finite real number; received nu=inf"),
+        ({"ns_steps": 100}, ValueError, r"ns_steps must be in \[0, 100\); received ns_steps=100"),
+        ({"ns_coeffs": (1.0, 2.0)}, ValueError, r"ns_coeffs must be three numbers \(a, b, c\)"),
+        ({"eps": -1.0}, ValueError, r"eps must be in \[0, inf\); received eps=-1.0"),
+        ({"weight_decay": -0.1}, ValueError, r"weight_decay must be in \[0, inf\)"),
+        ({"adam_nesterov": 1}, TypeError, "adam_nesterov must be a bool"),
+    ],
+)
+def test_bad_hyperparameters_are_named(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        qho.qhmuon(0.02, **kwargs)
+
+
+def test_from_params_builds_qhmuon_from_from_muon() -> None:
+    a = qho.from_params(convert.from_muon(0.9), learning_rate=0.02)
+    b = qho.qhmuon(0.02, beta=0.9, nu=0.9)
+    got, _ = _run(a, _tree(0), 3)
+    want, _ = _run(b, _tree(0), 3)
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
