@@ -261,6 +261,9 @@ class QHMuon:
         :func:`qhoptim.rules.qhm_bias_corrected_direction`, instead of QHM's.
       fan_in_first: the matrix is ``(fan_in, fan_out)`` (optax, Keras) rather
         than ``(fan_out, fan_in)`` (torch, MLX), for the shape's ratio.
+      unnormalized_buffer: Keras's form, :func:`qhoptim.rules.qhm_trace_update`
+        (the state is then the trace ``m = g / (1 - beta)``).
+      rms: the RMS of ``adjust_lr_fn="match_rms_adamw"`` (Keras's ``rms_rate``).
     """
 
     lr: float
@@ -275,6 +278,8 @@ class QHMuon:
     decoupled_weight_decay: bool = True
     bias_corrected: bool = False
     fan_in_first: bool = False
+    unnormalized_buffer: bool = False
+    rms: float = 0.2
 
     def __post_init__(self) -> None:
         validation.check_qhmuon(
@@ -292,6 +297,10 @@ class QHMuon:
         validation.check_bool(self.decoupled_weight_decay, "decoupled_weight_decay")
         validation.check_bool(self.bias_corrected, "bias_corrected")
         validation.check_bool(self.fan_in_first, "fan_in_first")
+        validation.check_bool(self.unnormalized_buffer, "unnormalized_buffer")
+        if self.bias_corrected and self.unnormalized_buffer:
+            raise ValueError("bias_corrected and unnormalized_buffer are two forms; choose one")
+        validation.check_finite(validation.require_real(self.rms, "rms"), "rms")
 
     def init(self, param: object) -> QHMuonState:
         theta = _as64(param)
@@ -318,6 +327,10 @@ class QHMuon:
                 grad_correction=grad_correction,
                 buffer_correction=rules.qhmuon_buffer_correction(self.nu, grad_correction),
             )
+        elif self.unnormalized_buffer:
+            buf, direction = rules.qhm_trace_update(
+                g, state.momentum_buffer, momentum=self.momentum, nu=self.nu
+            )
         else:
             buf, direction = rules.qhm_update(
                 g, state.momentum_buffer, momentum=self.momentum, nu=self.nu
@@ -334,7 +347,7 @@ class QHMuon:
             norm_guard=self.norm_guard,
         )
         fan_out, fan_in = (columns, rows) if self.fan_in_first else (rows, columns)
-        ratio = rules.muon_lr_ratio(self.adjust_lr_fn, fan_out, fan_in)
+        ratio = rules.muon_lr_ratio(self.adjust_lr_fn, fan_out, fan_in, rms=self.rms)
         wd = self.weight_decay if self.decoupled_weight_decay else 0.0
         decay = rules.decoupled_decay_factor(lr, wd)
         return rules.apply_update(theta, update, lr * ratio, decay), QHMuonState(buf, step)

@@ -97,6 +97,7 @@ __all__ = [
     "qhadam_update",
     "qhm_bias_corrected_direction",
     "qhm_coefficients",
+    "qhm_trace_update",
     "qhm_update",
     "qhmuon_buffer_correction",
     "weight_decay_terms",
@@ -643,6 +644,25 @@ def newton_schulz(
         polynomial = ops.matmul_add(gram, gram, gram, b, c)
         x = ops.matmul_add(x, polynomial, x, a, 1)
     return ops.transpose(x) if tall else x
+
+
+def qhm_trace_update(grad: Array, trace: Array, *, momentum: Any, nu: Any) -> tuple[Array, Array]:
+    r"""QHM's direction over an *unnormalized* trace, divided by :math:`1 - \beta`.
+
+    .. math::
+
+        m_{t+1} = \beta m_t + \nabla_t, \qquad
+        d_t = \frac{1 - \nu}{1 - \beta} \nabla_t + \nu\, m_{t+1}
+
+    The trace is :math:`g / (1 - \beta)` for QHM's normalized buffer :math:`g`,
+    so :math:`d_t` is QHM's direction over :math:`1 - \beta`: the same after
+    Muon's normalization. Keras's Muon keeps this trace; its Nesterov direction
+    :math:`\nabla_t + \beta m_{t+1}` is :math:`\nu = \beta` (the gradient's
+    weight is then exactly 1) and its plain one :math:`m_{t+1}` is :math:`\nu = 1`.
+    Returns ``(m_{t+1}, d_t)``.
+    """
+    trace = momentum * trace + grad
+    return trace, ((1 - nu) / (1 - momentum)) * grad + nu * trace
 
 
 def qhmuon_buffer_correction(nu: Any, grad_correction: Any, *, minimum: Any = min) -> Any:

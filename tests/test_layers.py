@@ -50,6 +50,7 @@ LAYERS: dict[str, dict[str, int]] = {
         "_base": 4,  # the shared base class and its backend mixin
         "_qhm": 5,
         "_qhadam": 5,
+        "_qhmuon": 5,  # keras.optimizers.Muon's subclass
         "__init__": 6,
     },
 }

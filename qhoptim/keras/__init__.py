@@ -1,4 +1,4 @@
-r"""QHM, QHAdam and QHAdamW for Keras 3 (``keras.optimizers.Optimizer`` subclasses).
+r"""QHM, QHAdam, QHAdamW and QHMuon for Keras 3 (``keras.optimizers.Optimizer`` subclasses).
 
 The package is laid out as Keras lays out its own optimizers: one module per
 optimizer family (``_qhm.py``; ``_qhadam.py`` with ``QHAdamW``) beside the
@@ -60,7 +60,7 @@ except ImportError as error:  # pragma: no cover - exercised where Keras is abse
         "beside JAX or torch."
     ) from error
 
-__all__ = ["QHM", "QHAdam", "QHAdamW"]
+__all__ = ["QHM", "QHAdam", "QHAdamW", "QHMuon"]
 
 
 # The oldest Keras tested (the lowest nox session): 3.10 added
@@ -97,9 +97,10 @@ _check_keras_version(keras.__version__)
 from qhoptim.keras import _settings  # noqa: E402
 from qhoptim.keras._qhadam import QHAdam, QHAdamW  # noqa: E402
 from qhoptim.keras._qhm import QHM  # noqa: E402
+from qhoptim.keras._qhmuon import QHMuon  # noqa: E402
 
 # The classes' public home: Keras records it in saved configs, Sphinx documents it.
-for _cls in (QHM, QHAdam, QHAdamW):
+for _cls in (QHM, QHAdam, QHAdamW, QHMuon):
     _cls.__module__ = __name__
 
 
@@ -137,6 +138,8 @@ NAMES = {
     "QHAdam": QHAdam,
     "qhadamw": QHAdamW,
     "QHAdamW": QHAdamW,
+    "qhmuon": QHMuon,
+    "QHMuon": QHMuon,
 }
 
 

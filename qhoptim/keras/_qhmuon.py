@@ -1,0 +1,144 @@
+"""QHMuon for Keras 3: ``keras.optimizers.Muon`` with QHM's immediate discount ``nu``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import keras
+from keras import ops
+
+from qhoptim import rules, validation
+from qhoptim.keras._base import as_float, learning_rate_value
+
+__all__ = ["QHMuon"]
+
+
+def _matmul_add(c: Any, a: Any, b: Any, beta: Any, alpha: Any) -> Any:
+    # ``beta * c + alpha * a @ b`` as Keras's Muon writes it: Python evaluates
+    # ``alpha * a @ b`` as ``(alpha * a) @ b``.
+    return beta * c + alpha * a @ b
+
+
+def _transpose(x: Any) -> Any:
+    return ops.transpose(x, (1, 0))
+
+
+# Newton-Schulz as Keras's Muon runs it: the norm plus 1e-7, kept 2-D.
+_KERAS_MATRIX_OPS = rules.MatrixOps(
+    matmul=ops.matmul,
+    matmul_add=_matmul_add,
+    transpose=_transpose,
+    norm=lambda x: ops.norm(x, axis=(-2, -1), keepdims=True),
+    clamp_min=ops.maximum,
+)
+
+#: The epsilon Keras's Muon adds to the norm it divides by (not an argument there).
+KERAS_MUON_NORM_EPS = 1e-7
+
+
+def _muon_keeps_a_slot_per_index() -> bool:
+    """Whether this Keras's Muon hands each variable's momentum to its step (the
+    Muon of recent Keras; 3.10's kept slots in dicts by path and stepped 3-D and
+    4-D variables too)."""
+    step = getattr(keras.optimizers, "Muon", None)
+    if step is None:
+        return False
+    return len(inspect.signature(step._muon_update_step).parameters) == 5
+
+
+@keras.saving.register_keras_serializable(package="qhoptim")
+class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
+    r"""Muon with quasi-hyperbolic momentum: ``keras.optimizers.Muon`` plus ``nu``.
+
+    For each variable Keras's Muon steps with Muon (2-D variables but
+    embeddings and ``exclude_layers``), with the momentum trace :math:`m`:
+
+    .. math::
+
+        m_{t+1} &= \beta m_t + \nabla_t \\
+        \theta_{t+1} &= \theta_t - \alpha\, r\, \mathrm{NS}\Big(\frac{1 - \nu}{1 - \beta}
+            \nabla_t + \nu m_{t+1}\Big)
+
+    QHM's direction over Keras's unnormalized trace
+    (:func:`qhoptim.rules.qhm_trace_update`): ``nu=momentum`` is Keras's
+    ``Muon(nesterov=True)`` (:math:`\nabla_t + \beta m_{t+1}`), ``nu=1``
+    ``Muon(nesterov=False)`` (:math:`m_{t+1}`); :func:`qhoptim.convert.from_muon`
+    gives the settings. Everything else is Keras's Muon, inherited: the AdamW
+    step of the other variables, ``rms_rate``'s scaling
+    :math:`r = \text{rms\_rate} \sqrt{\max(A, B)}`, the decoupled weight decays,
+    the configuration. Newton-Schulz is :func:`qhoptim.rules.newton_schulz`
+    with Keras's :math:`\lVert U \rVert_F + 10^{-7}`.
+
+    Args:
+        learning_rate: as Keras's Muon (default 0.001).
+        nu: Float (keyword only). :math:`\nu`, any finite real. Defaults to
+            `0.95`, Keras's default ``momentum``: its Nesterov direction.
+        **kwargs: every other argument of ``keras.optimizers.Muon`` (``momentum``,
+            ``ns_steps``, ``muon_a``/``muon_b``/``muon_c``, ``weight_decay``,
+            ``rms_rate``, the ``adam_*`` settings, ``exclude_layers``, ...),
+            but ``nesterov``, which ``nu`` replaces.
+
+    Needs the Muon of recent Keras (which hands each variable's momentum to
+    its step); Keras 3.10's is refused with the version found.
+    """
+
+    momentum: float
+    nu: float
+
+    def __init__(self, learning_rate: Any = 0.001, *, nu: float = 0.95, **kwargs: Any) -> None:
+        if not _muon_keeps_a_slot_per_index():
+            raise ImportError(
+                "qhoptim.keras.QHMuon builds on keras.optimizers.Muon as Keras 3.11 and "
+                f"later define it; found keras {keras.__version__}. Upgrade Keras "
+                "(`pip install -U keras`)."
+            )
+        if "nesterov" in kwargs:
+            raise TypeError("QHMuon takes nu instead of nesterov (nu=momentum is Nesterov's)")
+        learning_rate = learning_rate_value(learning_rate)
+        super().__init__(learning_rate=learning_rate, nesterov=True, **kwargs)
+        weight_decay = 0.0 if self.weight_decay is None else self.weight_decay
+        validation.check_qhmuon(
+            lr=learning_rate,
+            momentum=self.momentum,
+            nu=nu,
+            weight_decay=weight_decay,
+            eps=KERAS_MUON_NORM_EPS,
+            ns_steps=self.ns_steps,
+            ns_coefficients=(self.muon_a, self.muon_b, self.muon_c),
+            adjust_lr_fn=None,
+            adjustments=rules.MUON_LR_ADJUSTMENTS,
+            names={"lr": "learning_rate", "ns_coefficients": "(muon_a, muon_b, muon_c)"},
+        )
+        self.momentum, self.nu = as_float(self.momentum), as_float(nu)
+
+    @classmethod
+    def from_params(cls, params: Any, **kwargs: Any) -> QHMuon:
+        """Build from :func:`qhoptim.convert.from_muon`'s settings; keyword
+        arguments (``learning_rate``, ...) go to the constructor."""
+        from qhoptim import convert
+
+        validation.check_conversion(f"{cls.__name__}.from_params", params, convert.QHMuonParams)
+        return cls(**{**params.as_kwargs(), **kwargs})
+
+    def _muon_update_step(self, gradient: Any, variable: Any, lr: Any, m: Any) -> None:
+        trace, direction = rules.qhm_trace_update(gradient, m, momentum=self.momentum, nu=self.nu)
+        self.assign(m, trace)
+        rows, columns = direction.shape
+        update = rules.newton_schulz(
+            direction,
+            rows=rows,
+            columns=columns,
+            ops=_KERAS_MATRIX_OPS,
+            coefficients=(self.muon_a, self.muon_b, self.muon_c),
+            steps=self.ns_steps,
+            eps=KERAS_MUON_NORM_EPS,
+            norm_guard="add",
+        )
+        self.assign_sub(variable, self.lr_adjust(lr * update))
+
+    def get_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = super().get_config()
+        config.pop("nesterov", None)
+        config["nu"] = self.nu
+        return config
