@@ -80,7 +80,7 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
             but ``nesterov``, which ``nu`` replaces.
 
     Needs the Muon of recent Keras (which hands each variable's momentum to
-    its step); Keras 3.10's is refused with the version found.
+    its step: Keras 3.13 and later); an earlier one is refused with the version found.
     """
 
     momentum: float
@@ -89,7 +89,7 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
     def __init__(self, learning_rate: Any = 0.001, *, nu: float = 0.95, **kwargs: Any) -> None:
         if not _muon_keeps_a_slot_per_index():
             raise ImportError(
-                "qhoptim.keras.QHMuon builds on keras.optimizers.Muon as Keras 3.11 and "
+                "qhoptim.keras.QHMuon builds on keras.optimizers.Muon as Keras 3.13 and "
                 f"later define it; found keras {keras.__version__}. Upgrade Keras "
                 "(`pip install -U keras`)."
             )

@@ -112,3 +112,10 @@ def test_bad_hyperparameters_are_named(
 def test_from_params_takes_muon_conversions_only() -> None:
     with pytest.raises(TypeError, match=r"QHMuon\.from_params expects qhoptim\.convert\.QHMuon"):
         qk.QHMuon.from_params(convert.from_nesterov(0.1, 0.9))
+
+
+def test_an_earlier_keras_muon_is_refused_with_its_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Keras before 3.13 keeps Muon's slots apart from _muon_update_step.
+    monkeypatch.setattr(qk._qhmuon, "_muon_keeps_a_slot_per_index", lambda: False)
+    with pytest.raises(ImportError, match=r"Keras 3\.13 and later define it; found keras 3\."):
+        qk.QHMuon()
