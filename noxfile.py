@@ -384,12 +384,12 @@ def lowest(session: nox.Session) -> None:
 def sweep(session: nox.Session) -> None:
     _install(session, "jax")
     session.install("scikit-learn", "matplotlib", *CONSTRAINTS)
-    # Both of the paper's small studies reproduced here: the parameter sweep
-    # (docs/sweep.md) and QHM against AggMo (docs/aggmo.md); quick smoke runs
-    # unless ``nox -s sweep -- --full``.
+    # The paper's two small studies reproduced here, the parameter sweep
+    # (docs/sweep.md) and QHM against AggMo (docs/aggmo.md), and QHMuon against
+    # Muon (docs/muon.md); quick smoke runs unless ``nox -s sweep -- --full``.
     full = "--full" in session.posargs
     quick = [] if full else ["--quick"]
-    for study in ("sweep", "aggmo"):
+    for study in ("sweep", "aggmo", "muon"):
         out = ARTIFACTS / (study if full else f"{study}-quick")
         session.run("python", f"benchmarks/{study}.py", *quick, "--out", str(out))
 
