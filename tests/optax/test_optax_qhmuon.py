@@ -147,3 +147,28 @@ def test_from_params_builds_qhmuon_from_from_muon() -> None:
     want, _ = _run(b, _tree(0), 3)
     for k in SHAPES:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
+@pytest.mark.parametrize("b1, b2", [(0.9, 0.99), (0.95, 0.98)])
+def test_optax_lion_is_sign_qhm(b1: float, b2: float) -> None:
+    # convert.from_lion's claim, against optax.lion itself: QHM's buffer and
+    # direction from the rules, the sign of the direction taken.
+    from qhoptim import rules
+
+    settings = convert.from_lion(1e-3, (b1, b2))
+    lion = optax.lion(1e-3, b1=b1, b2=b2, weight_decay=0.0)
+    params = _tree(0)
+    state = lion.init(params)
+    buffers = {k: np.zeros(s) for k, s in SHAPES.items()}
+    for t in range(30):
+        grads = _tree(100 + t)
+        updates, state = lion.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        for k in SHAPES:
+            buffers[k], direction = rules.qhm_update(
+                np.asarray(grads[k], np.float64), buffers[k],
+                momentum=settings.momentum, nu=settings.nu,
+            )  # fmt: skip
+            # Each step is -lr * sign(QHM's direction), coordinate for coordinate.
+            want = np.float32(-settings.lr) * np.sign(direction).astype(np.float32)
+            np.testing.assert_array_equal(np.asarray(updates[k]), want)
