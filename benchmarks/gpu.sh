@@ -29,7 +29,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 python3 -m pytest -q -p no:cacheprovider -o addopts="" -W error \
     tests/torch/test_torch_cuda.py tests/torch/test_torch_triton.py \
-    "tests/torch/test_torch_fused.py" -k "cuda or triton" 2>&1 | tee "$OUT/cuda-tests.txt" || status=1
+    "tests/torch/test_torch_fused.py" tests/torch/test_torch_qhmuon.py -k "cuda or triton" \
+    2>&1 | tee "$OUT/cuda-tests.txt" || status=1
 
 record() {
     python3 docs/benchmarks/record.py "$@" || status=1
@@ -37,5 +38,7 @@ record() {
 python3 -m benchmarks.cuda_anatomy 2>&1 | tee "$OUT/cuda-anatomy.txt" || status=1
 record torch_step_cuda -- python3 -m benchmarks.torch_step --device cuda --steps 20
 record torch_step_cuda_scale -- python3 -m benchmarks.torch_step --device cuda --scale --steps 20
-cp docs/benchmarks/torch_step_cuda.txt docs/benchmarks/torch_step_cuda_scale.txt "$OUT/" || status=1
+record muon_step_torch_cuda -- python3 -m benchmarks.muon_step --framework torch --device cuda
+cp docs/benchmarks/torch_step_cuda.txt docs/benchmarks/torch_step_cuda_scale.txt \
+    docs/benchmarks/muon_step_torch_cuda.txt "$OUT/" || status=1
 exit $status

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.muon_step --framework torch [--steps 30] [--warmup 5]
+    python -m benchmarks.muon_step --framework torch [--steps 30] [--warmup 5] [--device cuda]
     python -m benchmarks.muon_step --framework optax
     python -m benchmarks.muon_step --framework mlx
 
@@ -44,7 +44,7 @@ def _interleaved(steps: dict[str, Callable[[], None]], n: int, warmup: int) -> d
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def torch_steps() -> dict[str, Callable[[], None]]:
+def torch_steps(device: str = "cpu") -> dict[str, Callable[[], None]]:
     import torch
 
     from qhoptim.torch import QHMuon
@@ -54,14 +54,22 @@ def torch_steps() -> dict[str, Callable[[], None]]:
     def params() -> list[torch.Tensor]:
         out = []
         for shape in SHAPES:
-            p = torch.randn(shape, generator=gen).requires_grad_()
-            p.grad = torch.randn(shape, generator=gen)
+            p = torch.randn(shape, generator=gen).to(device).requires_grad_()
+            p.grad = torch.randn(shape, generator=gen).to(device)
             out.append(p)
         return out
 
+    def timed(step: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            step()
+            if device != "cpu":
+                torch.cuda.synchronize()
+
+        return run
+
     muon = torch.optim.Muon(params(), lr=0.02)
     qhmuon = QHMuon(params(), lr=0.02, momentum=0.999, nu=0.7)
-    return {"Muon": muon.step, "QHMuon": qhmuon.step}
+    return {"Muon": timed(muon.step), "QHMuon": timed(qhmuon.step)}
 
 
 def optax_steps() -> dict[str, Callable[[], None]]:
@@ -133,12 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--framework", choices=sorted(FRAMEWORKS), required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="torch only: cpu or cuda")
     args = parser.parse_args(argv)
-    medians = _interleaved(FRAMEWORKS[args.framework](), args.steps, args.warmup)
+    steps = torch_steps(args.device) if args.framework == "torch" else FRAMEWORKS[args.framework]()
+    medians = _interleaved(steps, args.steps, args.warmup)
     values = sum(a * b for a, b in SHAPES)
     print(
         f"### {args.framework}: {len(SHAPES)} matrices ({values:,} values), median of "
-        f"{args.steps} interleaved steps after {args.warmup}; {platform.machine()}, "
+        f"{args.steps} interleaved steps after {args.warmup}; {args.device}, {platform.machine()}, "
         f"{platform.system()}"
     )
     for name, seconds in medians.items():

@@ -34,12 +34,25 @@ def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: Any) -> 
         opt.step()
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+
+
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch >= 2.9")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
-def test_equals_torch_muon_bit_for_bit(nesterov: bool, adjust_lr_fn: str | None) -> None:
-    grads = _grads(50)
-    muon_params, qh_params = _params(), _params()
+def test_equals_torch_muon_bit_for_bit(
+    nesterov: bool, adjust_lr_fn: str | None, device: str
+) -> None:
+    grads = [[g.to(device) for g in step] for step in _grads(50)]
+    muon_params = [p.detach().to(device).requires_grad_() for p in _params()]
+    qh_params = [p.detach().to(device).requires_grad_() for p in _params()]
     settings = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": adjust_lr_fn}
     muon = torch.optim.Muon(muon_params, momentum=0.9, nesterov=nesterov, **settings)
     converted = convert.from_muon(0.9, nesterov=nesterov)
