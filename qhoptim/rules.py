@@ -710,6 +710,10 @@ def muon_lr_ratio(adjust: str | None, fan_out: int, fan_in: int, *, rms: float =
     torch and MLX store a layer's weight as ``(fan_out, fan_in)``: their
     ``rows x columns``; optax and Keras as ``(fan_in, fan_out)``.
     """
+    if fan_out == 0 or fan_in == 0:
+        # An empty matrix has an empty update; any factor is 1 (not a division by 0).
+        validation.check_choice(adjust, "adjust_lr_fn", [None, *MUON_LR_ADJUSTMENTS])
+        return 1.0
     if adjust is None or adjust == "original":
         return math.sqrt(max(1.0, fan_out / fan_in))
     if adjust == "match_rms_adamw":

@@ -185,3 +185,14 @@ def test_from_params_takes_muon_conversions_only() -> None:
         QHMuon.from_params(_params(), convert.from_nesterov(0.1, 0.9))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="QHMuonParams"):
         QHAdam.from_params(_params(), convert.from_muon(0.9))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0, 0)])
+def test_an_empty_matrix_steps_as_nothing(shape: tuple[int, int]) -> None:
+    # torch's Muon divides by the column count here; QHMuon steps the others.
+    empty = torch.zeros(shape, requires_grad=True)
+    other = torch.ones(3, 2, requires_grad=True)
+    opt = QHMuon([empty, other], lr=0.1)
+    empty.grad, other.grad = torch.zeros(shape), torch.ones(3, 2)
+    opt.step()
+    assert empty.shape == shape and not torch.equal(other, torch.ones(3, 2))
