@@ -8,7 +8,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from qhoptim import rules, validation
+from qhoptim import convert, rules, validation
 from qhoptim.keras._base import as_float, learning_rate_value
 
 __all__ = ["QHMuon"]
@@ -116,8 +116,6 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
     def from_params(cls, params: Any, **kwargs: Any) -> QHMuon:
         """Build from :func:`qhoptim.convert.from_muon`'s settings; keyword
         arguments (``learning_rate``, ...) go to the constructor."""
-        from qhoptim import convert
-
         validation.check_conversion(f"{cls.__name__}.from_params", params, convert.QHMuonParams)
         return cls(**{**params.as_kwargs(), **kwargs})
 

@@ -121,3 +121,13 @@ def test_concrete_tensors_step_as_the_floats_they_hold(kind, array) -> None:
             opt.apply([keras.ops.convert_to_tensor(np.array([0.5, -2.0, 1.0], "float32"))], [v])
         results.append(keras.ops.convert_to_numpy(v))
     np.testing.assert_array_equal(results[1], results[0])
+
+
+# ------------------------------------------------------------------- QHMuon
+QHMUON_CASES = [e for e in INVALID if e.applies_to("qhm")]
+
+
+@pytest.mark.parametrize("entry", QHMUON_CASES, ids=[e.id for e in QHMUON_CASES])
+def test_qhmuon_rejects_the_table(entry: Invalid) -> None:
+    with pytest.raises(entry.error, match=pattern(entry, NAMES["keras"][entry.param])):
+        qk.QHMuon(**backend_kwargs("keras", "qhm", entry))

@@ -8,7 +8,7 @@ import pytest
 
 from conformance.invalid_inputs import INVALID, NAMES, Invalid, backend_kwargs, pattern
 from qhoptim import reference
-from qhoptim.mlx import QHM, QHAdam, QHAdamW
+from qhoptim.mlx import QHM, QHAdam, QHAdamW, QHMuon
 
 FAMILIES = [("qhm", QHM), ("qhadam", QHAdam), ("qhadam", QHAdamW)]
 CASES = [(family, cls, e) for family, cls in FAMILIES for e in INVALID if e.applies_to(family)]
@@ -52,3 +52,13 @@ def test_amsgrad_must_be_a_bool_as_in_the_reference(cls: type, value) -> None:
     with pytest.raises(TypeError) as got:
         cls(1e-3, amsgrad=value)
     assert str(got.value) == str(want.value)
+
+
+# ------------------------------------------------------------------- QHMuon
+QHMUON_CASES = [e for e in INVALID if e.applies_to("qhm")]
+
+
+@pytest.mark.parametrize("entry", QHMUON_CASES, ids=[e.id for e in QHMUON_CASES])
+def test_qhmuon_rejects_the_table(entry: Invalid) -> None:
+    with pytest.raises(entry.error, match=pattern(entry, NAMES["mlx"][entry.param])):
+        QHMuon(**backend_kwargs("mlx", "qhm", entry))

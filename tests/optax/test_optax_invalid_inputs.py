@@ -126,3 +126,22 @@ def test_concrete_arrays_step_as_the_floats_they_hold(array) -> None:
     np.testing.assert_array_equal(
         arrays.update(g, arrays.init(x))[0], plain.update(g, plain.init(x))[0]
     )
+
+
+# ------------------------------------------------------------------- QHMuon
+# qhmuon takes optax.contrib.muon's names: beta for the table's momentum.
+QHMUON_NAMES = {
+    "lr": "learning_rate",
+    "momentum": "beta",
+    "nu": "nu",
+    "weight_decay": "weight_decay",
+}
+QHMUON_CASES = [e for e in INVALID if e.applies_to("qhm")]
+
+
+@pytest.mark.parametrize("entry", QHMUON_CASES, ids=[e.id for e in QHMUON_CASES])
+def test_qhmuon_rejects_the_table(entry: Invalid) -> None:
+    good = {"lr": 0.02, "momentum": 0.95, "nu": 0.7, "weight_decay": 0.0}
+    kwargs = {QHMUON_NAMES[k]: v for k, v in {**good, entry.param: entry.value}.items()}
+    with pytest.raises(entry.error, match=pattern(entry, QHMUON_NAMES[entry.param])):
+        qho.qhmuon(**kwargs)

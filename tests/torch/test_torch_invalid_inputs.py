@@ -177,3 +177,22 @@ def test_numpy_scalars_in_added_and_loaded_groups_are_read_as_floats(
     fresh.load_state_dict(state)
     assert {k: fresh.param_groups[1][k] for k in plain} == plain
     _steps(fresh, [p for g in fresh.param_groups for p in g["params"]])
+
+
+# ------------------------------------------------------------------- QHMuon
+QHMUON_CASES = [e for e in INVALID if e.applies_to("qhm")]
+
+
+@pytest.mark.parametrize("entry", QHMUON_CASES, ids=[e.id for e in QHMUON_CASES])
+def test_qhmuon_rejects_the_table_at_construction_and_in_added_groups(entry: Invalid) -> None:
+    from qhoptim.torch import QHMuon
+
+    kwargs = backend_kwargs("torch", "qhm", entry)
+    want = pattern(entry, NAMES["torch"][entry.param])
+    with pytest.raises(entry.error, match=want):
+        QHMuon([torch.nn.Parameter(torch.randn(3, 2))], **kwargs)
+    opt = QHMuon([torch.nn.Parameter(torch.randn(3, 2))], lr=0.1)
+    before = opt.state_dict()
+    with pytest.raises(entry.error, match=want):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, 2))], **kwargs})
+    assert opt.state_dict() == before
