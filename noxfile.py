@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,13 @@ KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 # packaging's wheel builds, take a few minutes), so a test that waits forever
 # fails with its stack instead of stalling the run.
 TEST_TIMEOUT = ("--timeout=1200",)
+# pytest-xdist (the test extra): a session's tests spread over worker processes,
+# one per core up to four (each worker imports the session's framework, and
+# TensorFlow's or JAX's import costs memory); the conformance runner spreads its
+# rows likewise. ``nox -s torch -- -n 0`` runs the tests in one process (the
+# last ``-n`` given wins).
+CORES = min(os.cpu_count() or 1, 4)
+WORKERS = ("-n", str(CORES), "--dist", "worksteal")
 
 nox.options.sessions = [
     "lint", "tests", "conformance", "torch", "triton", "optax", "keras", "mlx", "distributed",
@@ -187,10 +195,24 @@ def _install(session: nox.Session, extras: str) -> None:
     session.install("-e", f".[{extras}]", "pip", *CONSTRAINTS)
 
 
-def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+def _pytest(
+    session: nox.Session, *args: str, env: dict[str, str] | None = None, workers: bool = True
+) -> None:
     # pytest exits 5 when it collects nothing; nox treats any non-zero exit
     # as a failure, so an empty run can never pass silently.
-    session.run("python", "-m", "pytest", *TEST_TIMEOUT, *args, *session.posargs, env=env)
+    spread = WORKERS if workers else ()
+    session.run(
+        "python", "-m", "pytest", *TEST_TIMEOUT, *spread, *args, *session.posargs, env=env
+    )  # fmt: skip
+
+
+def _doctests(session: nox.Session, *modules: str) -> None:
+    # A handful of examples: one process, and none of the arguments after
+    # ``--`` (a -k chosen for the tests would leave nothing here, a failure).
+    session.run(
+        "python", "-m", "pytest", *TEST_TIMEOUT, "--doctest-modules", "-q",
+        "-p", "no:cacheprovider", *modules,
+    )  # fmt: skip
 
 
 def _typecheck(session: nox.Session, module: str) -> None:
@@ -200,24 +222,52 @@ def _typecheck(session: nox.Session, module: str) -> None:
     session.run("mypy", module)
 
 
+def _tables(session: nox.Session) -> Path:
+    """This session's conformance tables' folder, artifacts/conformance/SESSION."""
+    return ARTIFACTS / "conformance" / re.sub(r"[^\w.-]+", "-", session.name).strip("-")
+
+
 def _conformance(
     session: nox.Session, *backends: str, table: str, env: dict[str, str] | None = None
 ) -> None:
-    # Prints the table and keeps it (Markdown and JSON) under artifacts/.
-    ARTIFACTS.mkdir(exist_ok=True)
-    out = ARTIFACTS / f"conformance-{table}"
+    # Runs the rows (over CORES processes), prints the table and keeps it
+    # (Markdown and JSON).
+    out = _tables(session) / table
     session.run(
-        "python", "-m", "conformance", "--backends", *backends,
+        "python", "-m", "conformance", "--backends", *backends, "--jobs", str(CORES),
         "--markdown", f"{out}.md", "--json", f"{out}.json", env=env,
     )  # fmt: skip
+
+
+def _pytest_with_conformance(
+    session: nox.Session, *args: str, tables: tuple[str, ...], env: dict[str, str] | None = None
+) -> None:
+    """The session's tests, whose conformance tests keep their rows' tables.
+
+    The backend's conformance test runs every row and fails on any that fails;
+    it also writes the table (``conformance.runner.record``), so the rows run
+    once. Each table's verdict is printed; one missing fails the session, unless
+    arguments after ``--`` chose the tests.
+    """
+    out = _tables(session)
+    for table in tables:  # a table left by an earlier run must not stand in for this one
+        for suffix in (".md", ".json"):
+            (out / f"{table}{suffix}").unlink(missing_ok=True)
+    _pytest(session, *args, env={**(env or {}), "QHOPTIM_CONFORMANCE_OUT": str(out)})
+    for table in tables:
+        path = out / f"{table}.md"
+        if path.exists():
+            session.log(f"conformance {table}: {path.read_text().splitlines()[-1]} ({path})")
+        elif not session.posargs:
+            session.error(f"the conformance test of {table} kept no table ({path})")
 
 
 def _core_tests(session: nox.Session) -> None:
     ignores = [f"--ignore={p}" for p in BACKEND_TESTS]
     _pytest(session, "tests", *ignores)
-    session.run(
-        "python", "-m", "pytest", "--doctest-modules", "-q", "-p", "no:cacheprovider",
-        "qhoptim/rules.py", "qhoptim/reference.py", "qhoptim/convert.py", "qhoptim/analysis.py",
+    _doctests(
+        session, "qhoptim/rules.py", "qhoptim/reference.py", "qhoptim/convert.py",
+        "qhoptim/analysis.py",
     )  # fmt: skip
 
 
@@ -256,8 +306,10 @@ def lint(session: nox.Session) -> None:
 def torch(session: nox.Session) -> None:
     _install(session, "test,torch")
     _typecheck(session, "qhoptim/torch")
-    _pytest(session, "tests/torch", "tests/test_packaging.py")
-    _conformance(session, "torch", "torch-foreach", "torch-fused", table="torch")
+    _pytest_with_conformance(
+        session, "tests/torch", "tests/test_packaging.py",
+        tables=("torch", "torch-foreach", "torch-fused"),
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON)
@@ -288,9 +340,8 @@ def optax(session: nox.Session) -> None:
     _install(session, "test,jax")
     session.install("flax", *CONSTRAINTS)  # the Flax example and checkpoint tests
     _typecheck(session, "qhoptim/optax.py")
-    _pytest(session, "tests/optax", "tests/test_packaging.py")
-    _pytest(session, "--doctest-modules", "-p", "no:cacheprovider", "qhoptim/optax.py")
-    _conformance(session, "optax", table=f"optax-{session.python}")
+    _pytest_with_conformance(session, "tests/optax", "tests/test_packaging.py", tables=("optax",))
+    _doctests(session, "qhoptim/optax.py")
 
 
 # Each Keras session installs Keras and its backend's framework, nothing else
@@ -308,8 +359,9 @@ def keras(session: nox.Session, backend: str) -> None:
     _install(session, KERAS_EXTRAS[backend])
     session.install(*(TENSORFLOW if backend == "tensorflow" else ("keras>=3.10",)), *CONSTRAINTS)
     env = {"KERAS_BACKEND": backend}
-    _pytest(session, "tests/keras", "tests/test_packaging.py", env=env)
-    _conformance(session, "keras", table=f"keras-{backend}", env=env)
+    _pytest_with_conformance(
+        session, "tests/keras", "tests/test_packaging.py", tables=("keras",), env=env
+    )
 
 
 @nox.session(python=PYTHON)
@@ -322,7 +374,9 @@ def distributed(session: nox.Session) -> None:
     # qhoptim.keras is type-checked here, where every backend's framework is
     # installed (its backend modules import torch, JAX and TensorFlow).
     _typecheck(session, "qhoptim/keras")
-    _pytest(session, "tests/distributed", env={"QHOPTIM_REQUIRE_ALL": "1"})
+    # A file's tests share its ranks (started once per file, a module fixture):
+    # a file per worker.
+    _pytest(session, "tests/distributed", "--dist", "loadfile", env={"QHOPTIM_REQUIRE_ALL": "1"})
 
 
 # Where users pick an optimizer by name or hand a class to a trainer: timm's
@@ -345,9 +399,8 @@ def mlx(session: nox.Session) -> None:
     _install(session, "test,mlx")
     session.install("scikit-learn", *CONSTRAINTS)  # the digits example's data
     _typecheck(session, "qhoptim/mlx.py")
-    _pytest(session, "tests/mlx", "tests/test_packaging.py")
-    _pytest(session, "--doctest-modules", "-p", "no:cacheprovider", "qhoptim/mlx.py")
-    _conformance(session, "mlx", table="mlx")
+    _pytest_with_conformance(session, "tests/mlx", "tests/test_packaging.py", tables=("mlx",))
+    _doctests(session, "qhoptim/mlx.py")
 
 
 @nox.session(python=PYTHON_LOWEST)
@@ -373,10 +426,9 @@ def lowest(session: nox.Session) -> None:
     session.install("-e", f"{src}[test,jax,mlx]", "tensorflow-cpu", "keras", "pip", *LOWEST)
     session.chdir(src)
     _core_tests(session)
-    _conformance(session, "numpy", "optax", "mlx", table="lowest")
+    _conformance(session, "numpy", "optax", "mlx", table="numpy-optax-mlx")
     for backend in ("tensorflow", "jax"):
-        _conformance(session, "keras", table=f"lowest-keras-{backend}",
-                     env={"KERAS_BACKEND": backend})  # fmt: skip
+        _conformance(session, "keras", table=f"keras-{backend}", env={"KERAS_BACKEND": backend})
 
 
 @nox.session(python=PYTHON)

@@ -117,14 +117,20 @@ def accuracy(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- training
-def train(
-    tx: optax.GradientTransformation, seeds: list[int], epochs: int, data: dict[str, Any]
-) -> dict[str, np.ndarray]:
-    """Train one model per seed at once; the final metrics, one per seed."""
+def trainer(
+    make: Callable[[Schedule], optax.GradientTransformation], epochs: int, data: dict[str, Any]
+) -> Callable[[float, list[int]], dict[str, np.ndarray]]:
+    """``train(lr, seeds)``: one model per seed at once, trained with ``make``'s
+    optimizer under a cosine decay from ``lr``; the final metrics, one per seed.
+
+    Compiled once per method (and per number of seeds): the peak lr is an
+    argument of the compiled program, not a constant of it.
+    """
     x_train, y_train = data["train"]
     n_batches = x_train.shape[0] // BATCH
 
-    def run(seed: jax.Array) -> dict[str, jax.Array]:
+    def run(peak_lr: jax.Array, seed: jax.Array) -> dict[str, jax.Array]:
+        tx = make(optax.cosine_decay_schedule(peak_lr, epochs * n_batches))
         key = jax.random.PRNGKey(seed)
         key, init_key = jax.random.split(key)
         params = init_layers(init_key, (64, *HIDDEN, 10))
@@ -152,8 +158,13 @@ def train(
             out[f"{split}_acc"] = accuracy(params, x, y)
         return out
 
-    metrics = jax.jit(jax.vmap(run))(jnp.asarray(seeds))
-    return {k: np.asarray(v, dtype=np.float64) for k, v in metrics.items()}
+    compiled = jax.jit(jax.vmap(run, in_axes=(None, 0)))
+
+    def train(lr: float, seeds: list[int]) -> dict[str, np.ndarray]:
+        metrics = compiled(jnp.float32(lr), jnp.asarray(seeds))
+        return {k: np.asarray(v, dtype=np.float64) for k, v in metrics.items()}
+
+    return train
 
 
 def _stat(values: np.ndarray) -> tuple[float, float]:
@@ -164,21 +175,17 @@ def study(
     lrs: tuple[float, ...], tune_seeds: list[int], eval_seeds: list[int], epochs: int
 ) -> dict[str, Any]:
     data = load_splits()
-    steps = epochs * (data["train"][0].shape[0] // BATCH)
-
-    def schedule(lr: float) -> Schedule:
-        return optax.cosine_decay_schedule(lr, steps)
-
     tuning: dict[str, dict[str, float]] = {}
     results: dict[str, Any] = {}
     for name, make in METHODS.items():
+        train = trainer(make, epochs, data)
         tuning[name] = {}
         for lr in lrs:
-            val = train(make(schedule(lr)), tune_seeds, epochs, data)["val_loss"]
+            val = train(lr, tune_seeds)["val_loss"]
             tuning[name][str(lr)] = float(np.mean(val)) if np.all(np.isfinite(val)) else math.inf
             print(f"  tuning {name:28s} lr {lr:<6g} val loss {tuning[name][str(lr)]:.4f}")
         best = min(lrs, key=lambda lr: tuning[name][str(lr)])
-        final = train(make(schedule(best)), eval_seeds, epochs, data)
+        final = train(best, eval_seeds)
         results[name] = {"lr": best, **{k: v.tolist() for k, v in final.items()}}
     return {"tuning": tuning, "results": results}
 

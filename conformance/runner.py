@@ -20,7 +20,11 @@ maximum over all its steps. Non-finite values count as infinite deviation.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import json
+import multiprocessing
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -37,8 +41,10 @@ __all__ = [
     "format_table",
     "main",
     "max_relative_deviation",
+    "record",
     "reference_trajectory",
     "run",
+    "write_table",
 ]
 
 TOLERANCES = {"float64": 1e-12, "float32": 1e-5}
@@ -110,20 +116,45 @@ def run(
     backends: Iterable[str],
     dtypes: Sequence[str] = DTYPES,
     cases: Sequence[Case] | None = None,
+    jobs: int = 1,
 ) -> list[Row]:
-    """Every supported (case, backend, dtype) triple; unavailable backends raise."""
-    rows = []
+    """Every supported (case, backend, dtype) triple; unavailable backends raise.
+
+    ``jobs > 1`` spreads the rows over that many worker processes (each imports
+    the backends once); the rows come back in the same order as with one.
+    """
+    cases = load_cases() if cases is None else cases
+    triples, adapters = [], {}
     for name in backends:
-        adapter = load_adapter(name)
+        adapter = adapters[name] = load_adapter(name)
         if not adapter.available():
             raise RuntimeError(
                 f"backend {name!r} is not available: {getattr(adapter, 'reason', '')}"
             )
-        for case in load_cases() if cases is None else cases:
-            for dtype in dtypes:
-                if adapter.supports(case, dtype):
-                    rows.append(check(adapter, case, dtype))
-    return rows
+        triples += [
+            (name, case, dtype)
+            for case in cases
+            for dtype in dtypes
+            if adapter.supports(case, dtype)
+        ]
+    if jobs <= 1 or len(triples) <= 1:
+        return [check(adapters[name], case, dtype) for name, case, dtype in triples]
+    # Spawned, not forked: a framework that has started its threads (torch,
+    # XLA) must not be copied mid-flight into a child.
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        return list(pool.map(_check_by_name, triples))
+
+
+@functools.cache
+def _adapter(name: str) -> Adapter:
+    # A worker's adapters: one per backend, kept for the worker's rows.
+    return load_adapter(name)
+
+
+def _check_by_name(triple: tuple[str, Case, str]) -> Row:
+    name, case, dtype = triple
+    return check(_adapter(name), case, dtype)
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -141,6 +172,29 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def write_table(rows: Sequence[Row], markdown: Path | None, json_path: Path | None) -> None:
+    """Write the rows as the Markdown table and as JSON (each where a path is given)."""
+    if markdown:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(format_table(rows) + "\n")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        payload = [asdict(r) | {"passed": r.passed} for r in rows]
+        json_path.write_text(json.dumps(payload, indent=1))
+
+
+# Where a test that ran a backend's rows keeps its table (``TABLE.md`` and
+# ``TABLE.json``): nox sets it, so each session's table comes from the rows its
+# tests ran instead of running them a second time.
+RECORD_DIRECTORY = "QHOPTIM_CONFORMANCE_OUT"
+
+
+def record(rows: Sequence[Row], table: str) -> None:
+    """Keep ``rows`` as ``table``'s files under ``$QHOPTIM_CONFORMANCE_OUT`` (when it is set)."""
+    if directory := os.environ.get(RECORD_DIRECTORY):
+        write_table(rows, Path(directory, f"{table}.md"), Path(directory, f"{table}.json"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance", description=__doc__)
     parser.add_argument(
@@ -153,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "-k", dest="pattern", default="", help="only cases whose name contains this"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="worker processes to spread the rows over (default 1)"
+    )
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args(argv)
@@ -162,16 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         backends = args.backends
     cases = [c for c in load_cases() if args.pattern in c.name]
-    rows = run(backends, args.dtypes, cases)
-    table = format_table(rows)
-    print(table)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(table + "\n")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = [asdict(r) | {"passed": r.passed} for r in rows]
-        args.json.write_text(json.dumps(payload, indent=1))
+    rows = run(backends, args.dtypes, cases, jobs=args.jobs)
+    print(format_table(rows))
+    write_table(rows, args.markdown, args.json)
     if not rows:
         print("no conformance rows ran", file=sys.stderr)
         return 1

@@ -120,7 +120,11 @@ class _ArrayLike:
     dtype = "float32"
 
 
-@pytest.mark.parametrize("value", [_ArrayLike(), np.ones(3), lambda step: 0.1], ids=repr)
+@pytest.mark.parametrize(
+    "value",
+    [_ArrayLike(), np.ones(3), lambda step: 0.1],
+    ids=["array-like", "array", "schedule"],  # not repr's addresses: one id in every process
+)
 def test_deferred_values_pass_unchecked(value: Any) -> None:
     validation.check_qhm(lr=value, momentum=value, nu=value, weight_decay=value)
     validation.check_qhadam(

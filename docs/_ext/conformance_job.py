@@ -13,9 +13,7 @@ passed, 1 if some failed, 3 if the backend is not installed.
 
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,7 @@ from figures import TRAJECTORY_CASE  # noqa: E402
 
 from conformance.adapters import load_adapter  # noqa: E402
 from conformance.cases import load_cases  # noqa: E402
-from conformance.runner import run  # noqa: E402
+from conformance.runner import run, write_table  # noqa: E402
 
 
 def main(backend: str, out: Path) -> int:
@@ -40,9 +38,7 @@ def main(backend: str, out: Path) -> int:
         )
         return 3
     rows = run([backend])
-    out.mkdir(parents=True, exist_ok=True)
-    payload = [asdict(r) | {"passed": r.passed} for r in rows]
-    (out / f"conformance-{backend}.json").write_text(json.dumps(payload, indent=1))
+    write_table(rows, None, out / f"conformance-{backend}.json")
 
     case = next(c for c in load_cases() if c.name == TRAJECTORY_CASE)
     runs = {

@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -80,18 +81,34 @@ def _extension_name() -> str:
     return "qhoptim_fused_cpu" + ("_avx2" if _wide_vectors() else "") + f"_{digest}"
 
 
+def _install_tag() -> str:
+    """A short digest of the torch and Python headers a build compiles against.
+
+    The compile command names them by path, so two environments holding the same
+    torch (two virtualenvs) write different commands into one folder, and ninja
+    rebuilds whenever the other one built last (tens of seconds each time). One
+    folder per installation keeps each build.
+    """
+    from torch.utils import cpp_extension
+
+    headers = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    return hashlib.sha256("\0".join(headers).encode()).hexdigest()[:8]
+
+
 def extension_build_directory(name: str | None = None) -> Path:
-    """Where the kernel is built and cached: one folder per Python, torch and source.
+    """Where the kernel is built and cached: one folder per Python, torch installation and source.
 
     Under ``TORCH_EXTENSIONS_DIR`` when set, else torch's default extension root.
-    The torch version is part of the path because a build links against one torch.
+    The torch version is part of the path because a build links against one torch,
+    and the installation's digest because the build names its headers by path.
     """
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     torch_version = torch.__version__.replace("+", "_")
-    path = Path(root) / f"{python}_torch{torch_version}" / (name or _extension_name())
+    folder = f"{python}_torch{torch_version}_{_install_tag()}"
+    path = Path(root) / folder / (name or _extension_name())
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -7,6 +7,7 @@ rows, which must not leak into the other tests (Keras users run JAX without it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from qh_keras_testing import BACKEND
 
+from conformance import runner
 from conformance.cases import load_cases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,3 +41,5 @@ def test_conformance_rows_all_pass(tmp_path: Path) -> None:
     failed = [r for r in rows if not r["passed"]]
     assert not failed, proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
+    fields = [f.name for f in dataclasses.fields(runner.Row)]
+    runner.record([runner.Row(**{f: r[f] for f in fields}) for r in rows], "keras")

@@ -14,6 +14,7 @@ from qhoptim.mlx import QHM, QHAdam, QHAdamW
 
 def test_conformance_rows_all_pass() -> None:
     rows = runner.run(["mlx"])
+    runner.record(rows, "mlx")
     assert len(rows) == 2 * len(runner.load_cases())
     failed = [r for r in rows if not r.passed]
     assert not failed, runner.format_table(failed)

@@ -13,6 +13,7 @@ from conformance.cases import load_cases
 def test_every_conformance_row_passes(backend: str) -> None:
     assert load_adapter(backend).available()
     rows = runner.run([backend])
+    runner.record(rows, backend)
     assert len(rows) == 2 * len(load_cases())  # float64 and float32, every case
     failed = [r for r in rows if not r.passed]
     assert not failed, runner.format_table(failed)
