@@ -29,6 +29,9 @@ Sessions (``nox -l`` lists them; ``nox`` runs all but ``demo``):
   demo         the same problems through every installed backend, agreement printed
 
 Every install uses ``.ci/constraints.txt`` (pins torch to the offline CPU wheel).
+The tests of a session run on every core (pytest-xdist, up to four workers;
+``nox -s NAME -- -n 0`` for one process), and each backend's conformance rows
+run once: its conformance test writes the table under artifacts/conformance/.
 Set QHOPTIM_NOX_ENVDIR to keep the virtualenvs outside the checkout (CI does);
 they are then reused between runs, but every install step still runs.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -47,6 +48,10 @@ def cpu_extension() -> Any:
     build_directory = extension_build_directory(name)
     try:
         with _builder_lock(build_directory):
+            if not (build_directory / f"{name}.so").exists():
+                built = _load_built_elsewhere(name, build_directory)
+                if built is not None:
+                    return built
             return cpp_extension.load(
                 name=name,
                 sources=[str(_CSRC)],
@@ -74,43 +79,73 @@ def _wide_vectors() -> bool:
 
 def _extension_name() -> str:
     # The kernel is built on the machine that runs it, under a name per vector
-    # width and per source: two qhoptim versions (or two checkouts) sharing the
-    # extension cache then each keep their own build instead of rebuilding the
-    # other's, even at the same time.
-    digest = hashlib.sha256(_CSRC.read_bytes()).hexdigest()[:12]
-    return "qhoptim_fused_cpu" + ("_avx2" if _wide_vectors() else "") + f"_{digest}"
+    # width, per source and per torch build: two qhoptim versions (or two
+    # torch builds of one version) sharing the extension cache then each keep
+    # their own build instead of rebuilding the other's, even at the same time.
+    digest = hashlib.sha256(_CSRC.read_bytes())
+    digest.update(str(torch.version.git_version).encode())
+    return (
+        "qhoptim_fused_cpu" + ("_avx2" if _wide_vectors() else "") + f"_{digest.hexdigest()[:12]}"
+    )
 
 
 def _install_tag() -> str:
-    """A short digest of the torch and Python headers a build compiles against.
+    """A short digest of the paths a build's commands name: torch's and Python's
+    headers, and the source.
 
-    The compile command names them by path, so two environments holding the same
-    torch (two virtualenvs) write different commands into one folder, and ninja
-    rebuilds whenever the other one built last (tens of seconds each time). One
-    folder per installation keeps each build.
+    Two environments holding the same torch (two virtualenvs), or two checkouts
+    of the same source, would write different commands into one folder, and
+    ninja would rebuild whenever the other one built last (tens of seconds each
+    time). One folder per installation and checkout keeps each build.
     """
     from torch.utils import cpp_extension
 
-    headers = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    return hashlib.sha256("\0".join(headers).encode()).hexdigest()[:8]
+    paths = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(_CSRC)]
+    return hashlib.sha256("\0".join(paths).encode()).hexdigest()[:8]
 
 
-def extension_build_directory(name: str | None = None) -> Path:
-    """Where the kernel is built and cached: one folder per Python, torch installation and source.
+def _builds_of(name: str) -> Path:
+    """The folder of every build named ``name``: one per Python and torch version.
 
     Under ``TORCH_EXTENSIONS_DIR`` when set, else torch's default extension root.
-    The torch version is part of the path because a build links against one torch,
-    and the installation's digest because the build names its headers by path.
+    The torch version is part of the path because a build links against one torch.
     """
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     torch_version = torch.__version__.replace("+", "_")
-    folder = f"{python}_torch{torch_version}_{_install_tag()}"
-    path = Path(root) / folder / (name or _extension_name())
+    return Path(root) / f"{python}_torch{torch_version}" / name
+
+
+def extension_build_directory(name: str | None = None) -> Path:
+    """Where this installation builds and caches the kernel: a folder per Python,
+    torch build, source, and installation (the paths its build commands name)."""
+    path = _builds_of(name or _extension_name()) / _install_tag()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _load_built_elsewhere(name: str, build_directory: Path) -> Any | None:
+    """The kernel as another installation built it, if one has: the same source,
+    Python and torch build compile to the same library, whatever the paths (a
+    second virtualenv with the same torch then loads it instead of compiling).
+    ``None`` where there is none, or none loads (a build killed while linking)."""
+    for other in sorted(_builds_of(name).iterdir()):
+        library = other / f"{name}.so"
+        if other == build_directory or not library.is_file():
+            continue
+        with _builder_lock(other):  # not while its own builder writes it
+            try:
+                spec = importlib.util.spec_from_file_location(name, library)
+                if spec is None or spec.loader is None:
+                    continue
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            except ImportError:
+                continue
+            return module
+    return None
 
 
 @contextlib.contextmanager

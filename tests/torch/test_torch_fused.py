@@ -319,6 +319,45 @@ def test_a_build_killed_part_way_does_not_block_the_next_process() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_a_second_installation_loads_the_first_ones_build() -> None:
+    # Two virtualenvs with the same torch compile the same library; the second
+    # loads a build the first made instead of compiling its own (tens of
+    # seconds), and steps as the multi-tensor kernels do.
+    import shutil
+    import subprocess
+    import sys
+
+    from qhoptim.torch import _extension
+
+    _extension.cpu_extension()  # this installation's build, made or loaded
+    program = (
+        "from pathlib import Path\n"
+        "import torch\n"
+        "import qhoptim.torch as qt\n"
+        "from qhoptim.torch import _extension as e\n"
+        "e._install_tag = lambda: 'a-second-installation'\n"
+        "module = e.cpu_extension()\n"
+        "own = e.extension_build_directory()\n"
+        "assert Path(module.__file__).parent != own, module.__file__\n"
+        "assert not list(own.glob('*.so')), sorted(own.iterdir())\n"
+        "steps = []\n"
+        "for fused in (True, False):\n"
+        "    p = torch.linspace(-1, 1, 9, requires_grad=True); p.grad = torch.cos(p.detach())\n"
+        "    qt.QHAdam([p], lr=0.1, fused=fused, foreach=not fused).step()\n"
+        "    steps.append(p.detach())\n"
+        "torch.testing.assert_close(steps[0], steps[1], rtol=1e-6, atol=0)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        second = _extension.extension_build_directory().parent / "a-second-installation"
+        shutil.rmtree(second, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_changing_lr_never_rebuilds_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     # The per-step scalars (lr, bias corrections) are arguments of the
     # compiled kernel, never part of what is compiled: one build for every step.

@@ -103,9 +103,10 @@ def test_one_launch_per_device_and_dtype_and_tables_reused(
 def test_many_small_and_empty_tensors_follow_the_reference(
     cls: type, kwargs: dict[str, Any]
 ) -> None:
-    # 300 tensors of 0 to 4 values and one of several blocks: one launch, whose
-    # blocks' table maps each program to its tensor.
-    shapes = [(i % 5,) for i in range(300)] + [(2500,)]
+    # 60 tensors of 0 to 4 values and one of several blocks: one launch, whose
+    # blocks' table maps each program to its tensor. (Nothing depends on the
+    # count; under Triton's interpreter each program costs tens of milliseconds.)
+    shapes = [(i % 5,) for i in range(60)] + [(2500,)]
     params = _params(shapes)
     params0 = [p.detach().cpu().clone() for p in params]
     grads = random_grads(shapes, 4)
