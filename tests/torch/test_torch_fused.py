@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -290,13 +293,19 @@ def test_missing_compiler_or_ninja_is_a_clear_error(monkeypatch: pytest.MonkeyPa
     _extension.cpu_extension.cache_clear()  # built (or loaded from disk) again when next needed
 
 
+def _in_a_fresh_process(program: str) -> subprocess.CompletedProcess[str]:
+    # The C++ kernel's loading as a new process meets it (not Triton's: no
+    # TRITON_INTERPRET); a build takes well under the 300 s limit.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 def test_a_build_killed_part_way_does_not_block_the_next_process() -> None:
     # torch guards a build with a lock file that a killed build leaves behind,
     # and waits for it to go away for as long as it takes. A fresh process must
     # load (or build) the kernel anyway, in the time a build takes.
-    import subprocess
-    import sys
-
     from qhoptim.torch import _extension
 
     stale = _extension.extension_build_directory() / "lock"
@@ -307,11 +316,8 @@ def test_a_build_killed_part_way_does_not_block_the_next_process() -> None:
         "qt.QHAdam([p], lr=0.1, fused=True).step()\n"
         "assert float(p[0]) < 0, p\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
-        )
+        proc = _in_a_fresh_process(program)
     except subprocess.TimeoutExpired:
         pytest.fail("the kernel's load waited on a lock file its builder left behind")
     finally:
@@ -323,10 +329,6 @@ def test_a_second_installation_loads_the_first_ones_build() -> None:
     # Two virtualenvs with the same torch compile the same library; the second
     # loads a build the first made instead of compiling its own (tens of
     # seconds), and steps as the multi-tensor kernels do.
-    import shutil
-    import subprocess
-    import sys
-
     from qhoptim.torch import _extension
 
     _extension.cpu_extension()  # this installation's build, made or loaded
@@ -347,11 +349,8 @@ def test_a_second_installation_loads_the_first_ones_build() -> None:
         "    steps.append(p.detach())\n"
         "torch.testing.assert_close(steps[0], steps[1], rtol=1e-6, atol=0)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
-        )
+        proc = _in_a_fresh_process(program)
     finally:
         second = _extension.extension_build_directory().parent / "a-second-installation"
         shutil.rmtree(second, ignore_errors=True)
