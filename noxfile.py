@@ -68,6 +68,8 @@ KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 # packaging's wheel builds, take a few minutes), so a test that waits forever
 # fails with its stack instead of stalling the run.
 TEST_TIMEOUT = ("--timeout=1200",)
+# Every run lists its ten slowest tests: where a session's time goes.
+DURATIONS = ("--durations=10",)
 # pytest-xdist (the test extra): a session's tests spread over worker processes,
 # one per core up to four (each worker imports the session's framework, and
 # TensorFlow's or JAX's import costs memory); the conformance runner spreads its
@@ -205,7 +207,8 @@ def _pytest(
     # as a failure, so an empty run can never pass silently.
     spread = WORKERS if workers else ()
     session.run(
-        "python", "-m", "pytest", *TEST_TIMEOUT, *spread, *args, *session.posargs, env=env
+        "python", "-m", "pytest", *TEST_TIMEOUT, *DURATIONS, *spread, *args, *session.posargs,
+        env=env,
     )  # fmt: skip
 
 
