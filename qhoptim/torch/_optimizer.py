@@ -414,6 +414,31 @@ class QHOptimizer(Optimizer):
                 p_state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
         group["state_dtype"] = dtype
 
+    def decoded_state(self, param: Tensor) -> dict[str, Tensor]:
+        """``param``'s moments as ordinary tensors of its shape, whatever ``state_dtype``
+        stores them in: for logging, debugging, or reading an 8-bit checkpoint.
+
+        An 8-bit state is decoded and a bfloat16 or float16 one widened, to float32
+        (to the parameter's dtype where that is wider); the stored state is left
+        as it is (the tensors are new). QHM's ``momentum_buffer``;
+        QHAdam's ``exp_avg``, ``exp_avg_sq`` and, with AMSGrad, ``max_exp_avg_sq``.
+        Empty before the parameter's first step; a ``KeyError`` for a tensor this
+        optimizer does not hold.
+        """
+        group = next((g for g in self.param_groups if any(p is param for p in g["params"])), None)
+        if group is None:
+            raise KeyError("decoded_state: the tensor is not a parameter of this optimizer")
+        p_state = self.state.get(param, {})
+        stored_as = group.get("state_dtype") if _state_dtype.narrow(group, param) else None
+        wide = (
+            param.dtype if param.is_complex() else torch.promote_types(param.dtype, torch.float32)
+        )
+        return {
+            key: _state_dtype.converted(p_state[key], param, stored_as, wide, signed).clone()
+            for key, signed in zip(self._STATE_LISTS, self._SIGNED, strict=True)
+            if key in p_state
+        }
+
     def _gather(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
     ) -> tuple[list[dict[str, Any]], bool]:

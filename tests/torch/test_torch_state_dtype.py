@@ -400,3 +400,72 @@ def test_the_8_bit_kernel_and_torch_operations_encode_the_same_bytes(
     err = (k_out[block] - x[block])[rest[block]].abs().max() / x[block][rest[block]].abs().max()
     assert float(err) <= 0.1
     assert bool((k_out[256:512] == 0).all())
+
+
+# ------------------------------------------------------------- reading the state
+def _decode_by_hand(packed: torch.Tensor, shape: torch.Size, signed: bool) -> torch.Tensor:
+    """The 8-bit layout as docs/torch.md describes it, decoded here: a float32
+    scale per block of 256 values, then a code per value (a sign bit where the
+    state keeps one), standing for a level of ``rounding.eight_bit_levels``."""
+    n = shape.numel()
+    blocks = -(-n // rounding.EIGHT_BIT_BLOCK)
+    scales = packed[: 4 * blocks].view(torch.float32).repeat_interleave(256)[:n]
+    codes = packed[4 * blocks :].to(torch.int64)
+    levels = torch.tensor(rounding.eight_bit_levels(signed), dtype=torch.float32)
+    value = levels[codes & 127 if signed else codes] * scales
+    if signed:
+        value = torch.where(codes >= 128, -value, value)
+    return value.reshape(shape)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_decoded_state_reads_8_bit_state_as_float32(cls: type, kwargs: dict[str, Any]) -> None:
+    params = _params()
+    opt = cls(params, **kwargs, state_dtype=U8)
+    assert opt.decoded_state(params[0]) == {}  # before the first step
+    _run(opt, params, range(4))
+    stored = copy.deepcopy(opt.state_dict())
+    signed = dict(zip(cls._STATE_LISTS, cls._SIGNED, strict=True))
+    for p in params:
+        decoded = opt.decoded_state(p)
+        assert set(decoded) == {k for k in STATE_KEYS if k in opt.state[p]}
+        for key, value in decoded.items():
+            assert value.dtype == F32 and value.shape == p.shape
+            want = _decode_by_hand(opt.state[p][key], p.shape, signed[key])
+            assert torch.equal(value, want), key
+    # Reading changes nothing.
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_state_tensors(opt.state_dict()), _state_tensors(stored), strict=True)
+    )
+
+
+def _state_tensors(state_dict: dict[str, Any]) -> list[torch.Tensor]:
+    return [v for s in state_dict["state"].values() for v in s.values()]
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "state_dtype", "want"),
+    [(F32, BF16, F32), (F32, None, F32), (F64, F32, F64), (F64, BF16, F64), (BF16, None, F32)],
+    ids=["bf16-state", "own-state", "f32-state-of-f64", "bf16-state-of-f64", "bf16-param"],
+)
+def test_decoded_state_widens_and_copies(
+    param_dtype: torch.dtype, state_dtype: torch.dtype | None, want: torch.dtype
+) -> None:
+    p = torch.nn.Parameter(torch.randn(5, 3, dtype=param_dtype))
+    opt = QHAdam([p], lr=0.1, amsgrad=True, state_dtype=state_dtype)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    decoded = opt.decoded_state(p)
+    assert set(decoded) == {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    for key, value in decoded.items():
+        assert value.dtype == want and value.shape == p.shape
+        assert torch.equal(value, opt.state[p][key].to(want))  # widening is exact
+        value.add_(1.0)  # a copy: the stored state stays
+        assert not torch.equal(value, opt.state[p][key].to(want))
+
+
+def test_decoded_state_of_a_tensor_the_optimizer_does_not_hold_is_a_key_error() -> None:
+    opt = QHM(_params(), lr=0.1)
+    with pytest.raises(KeyError, match="not a parameter of this optimizer"):
+        opt.decoded_state(torch.zeros(3))
