@@ -200,14 +200,11 @@ def _install(session: nox.Session, extras: str) -> None:
     session.install("-e", f".[{extras}]", "pip", *CONSTRAINTS)
 
 
-def _pytest(
-    session: nox.Session, *args: str, env: dict[str, str] | None = None, workers: bool = True
-) -> None:
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     # pytest exits 5 when it collects nothing; nox treats any non-zero exit
     # as a failure, so an empty run can never pass silently.
-    spread = WORKERS if workers else ()
     session.run(
-        "python", "-m", "pytest", *TEST_TIMEOUT, *DURATIONS, *spread, *args, *session.posargs,
+        "python", "-m", "pytest", *TEST_TIMEOUT, *DURATIONS, *WORKERS, *args, *session.posargs,
         env=env,
     )  # fmt: skip
 
