@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["DEFAULT_STEPS", "OPTIMIZERS", "Case", "load_cases", "lr_factors"]
+__all__ = ["DEFAULT_STEPS", "OPTIMIZERS", "QHMUON_HPARAMS", "Case", "load_cases", "lr_factors"]
 
 DEFAULT_STEPS = 150
 CASES_FILE = Path(__file__).with_name("cases.toml")
@@ -28,7 +28,13 @@ OPTIMIZERS: dict[str, type[Any]] = {
     "qhm": reference.QHM,
     "qhadam": reference.QHAdam,
     "qhadamw": reference.QHAdamW,
+    "qhmuon": reference.QHMuon,
 }
+# QHMuon's hyperparameters in the cases: the ones every backend's QHMuon takes.
+# The rest of a Muon is its framework's (norm guard and epsilon, momentum form,
+# kind of weight decay, the shape's learning-rate ratio unless a case names
+# ``adjust_lr_fn``): each adapter tells the reference (``reference_options``).
+QHMUON_HPARAMS = frozenset({"lr", "momentum", "nu", "weight_decay", "ns_steps", "adjust_lr_fn"})
 
 
 def lr_factors(schedule: dict[str, Any], steps: int) -> list[float]:
@@ -69,12 +75,15 @@ class Case:
         base = self.hparams["lr"]
         return [base * f for f in lr_factors(self.schedule, self.steps)]
 
-    def reference_optimizer(self) -> Any:
-        """The float64 reference optimizer configured with this case's hparams."""
-        hp = dict(self.hparams)
+    def reference_optimizer(self, **options: Any) -> Any:
+        """The float64 reference optimizer configured with this case's hparams
+        and a backend's ``options`` (QHMuon's framework form, see :data:`QHMUON_HPARAMS`)."""
+        hp = dict(self.hparams, **options)
         for key in ("betas", "nus"):
             if key in hp:
                 hp[key] = tuple(hp[key])
+        if self.optimizer == "qhmuon":
+            hp.setdefault("weight_decay", 0.0)
         return OPTIMIZERS[self.optimizer](**hp)
 
     @property
@@ -84,9 +93,12 @@ class Case:
 
     @property
     def weight_decay_mode(self) -> str:
-        """``"none"``, ``"coupled"`` or ``"decoupled"`` (what backends must configure)."""
+        """``"none"``, ``"coupled"`` or ``"decoupled"`` (what backends must configure);
+        QHMuon's weight decay is its framework's kind: ``"native"``."""
         if not self.hparams.get("weight_decay"):
             return "none"
+        if self.optimizer == "qhmuon":
+            return "native"
         decoupled = self.optimizer == "qhadamw" or self.hparams.get("decoupled_weight_decay")
         return "decoupled" if decoupled else "coupled"
 
@@ -114,6 +126,14 @@ def load_cases(path: Path = CASES_FILE) -> tuple[Case, ...]:
             raise ValueError(f"{c.name}: unknown optimizer {c.optimizer!r}")
         if c.optimizer == "qhm" and "amsgrad" in c.hparams:
             raise ValueError(f"{c.name}: amsgrad is a QHAdam variant; QHM has none")
+        if c.optimizer == "qhmuon":
+            if unknown := set(c.hparams) - QHMUON_HPARAMS:
+                raise ValueError(
+                    f"{c.name}: QHMuon cases take {', '.join(sorted(QHMUON_HPARAMS))}; "
+                    f"received {', '.join(sorted(unknown))}"
+                )
+            if any(len(shape) != 2 for shape in c.problem.shapes):
+                raise ValueError(f"{c.name}: QHMuon steps matrices; {c.problem_name} has others")
     return cases
 
 

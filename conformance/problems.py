@@ -7,8 +7,9 @@ several parameters of different ranks, including an empty one).
 
 None is trivial: the optimum is away from the origin (so relative deviations
 are well defined), and each exercises a different regime -- ill-conditioning,
-a curved valley, minibatch noise, and rare huge gradient spikes (the regime
-QHAdam's ``nu2 < 1`` is meant for).
+a curved valley, minibatch noise, rare huge gradient spikes (the regime
+QHAdam's ``nu2 < 1`` is meant for), and matrices (QHMuon's, which steps 2-D
+parameters only).
 """
 
 from __future__ import annotations
@@ -154,6 +155,69 @@ def _spiky() -> Problem:
     )
 
 
+def _matrices() -> Problem:
+    # Two matrix least-squares problems, one wide (3 x 5) and one tall (6 x 2,
+    # which Newton-Schulz runs transposed): 0.5 * <W - W*, A (W - W*) B> with
+    # A, B symmetric positive definite (condition 4 each, 16 together).
+    #
+    # Muon's update has the same size whatever the gradient's, so its closed
+    # loop is stable only while no singular value of the gradient nears zero:
+    # there the orthogonalization responds like a sign, and rounding grows
+    # from 1e-16 to 1e-2 within tens of steps (measured, starting one unit from
+    # W* at lr 0.02) -- no float64 comparison survives that. So the start is far
+    # away (W0 - W* has singular values 3 .. 5) and the cases' learning rates
+    # (0.01 at most) keep every singular value from zero for their 150 steps;
+    # ``tests/test_conformance.py`` checks that margin on the reference.
+    rng = np.random.default_rng(4)
+    shapes = ((3, 5), (6, 2))
+
+    def spd(n: int) -> F64:
+        q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+        return np.asarray(q @ np.diag(np.geomspace(0.5, 2.0, n)) @ q.T)
+
+    def offset(rows: int, columns: int) -> F64:
+        k, n = min(rows, columns), max(rows, columns)
+        u, _ = np.linalg.qr(rng.standard_normal((n, n)))
+        v, _ = np.linalg.qr(rng.standard_normal((k, k)))
+        e = u[:, :k] @ np.diag(np.linspace(3.0, 5.0, k)) @ v.T
+        return np.asarray(e if rows >= columns else e.T)
+
+    terms = []
+    for rows, columns in shapes:
+        optimum = rng.uniform(0.5, 1.5, (rows, columns)) * rng.choice([-1.0, 1.0], (rows, columns))
+        terms.append((spd(rows), spd(columns), optimum))
+    x0 = np.concatenate(
+        [(w + offset(*shape)).ravel() for (_, _, w), shape in zip(terms, shapes, strict=True)]
+    )
+
+    def matrices(x: F64) -> list[F64]:
+        out, i = [], 0
+        for rows, columns in shapes:
+            out.append(x[i : i + rows * columns].reshape(rows, columns))
+            i += rows * columns
+        return out
+
+    def grad(x: F64, t: int) -> F64:
+        return np.concatenate(
+            [(a @ (w - w0) @ b).ravel() for (a, b, w0), w in zip(terms, matrices(x), strict=True)]
+        )
+
+    def loss(x: F64) -> float:
+        return sum(
+            0.5 * float(np.sum((w - w0) * (a @ (w - w0) @ b)))
+            for (a, b, w0), w in zip(terms, matrices(x), strict=True)
+        )
+
+    return Problem(
+        "matrices",
+        "two matrix least-squares problems, 3 x 5 and 6 x 2, condition 16, start far away",
+        x0,
+        shapes,
+        grad,
+        loss,
+    )
+
+
 # -- full-batch problems of the recovery suite (conformance/recovery.toml) -----------
 # Theory-based methods (Robust / Triple Momentum, AccSGD) are parameterized by
 # the strong convexity mu and smoothness L, so their quadratic has a known
@@ -219,6 +283,7 @@ _FACTORIES: dict[str, Callable[[], Problem]] = {
     "rosenbrock": _rosenbrock,
     "logistic": _logistic,
     "spiky": _spiky,
+    "matrices": _matrices,
     "quadratic-kappa100": _quadratic_kappa100,
     "rosenbrock-2d": _rosenbrock_2d,
     "logistic-full-batch": _logistic_full_batch,

@@ -26,9 +26,10 @@ import json
 import multiprocessing
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from .adapters import REGISTRY, Adapter, load_adapter
 from .cases import Case, load_cases
 
 __all__ = [
+    "DTYPES",
     "TOLERANCES",
     "Row",
     "format_table",
@@ -51,20 +53,34 @@ TOLERANCES = {"float64": 1e-12, "float32": 1e-5}
 DTYPES = tuple(TOLERANCES)
 
 
-def reference_trajectory(case: Case, grads_at: np.ndarray | None = None) -> np.ndarray:
+def reference_trajectory(
+    case: Case,
+    grads_at: np.ndarray | None = None,
+    options: Mapping[str, Any] | None = None,
+    *,
+    start: np.ndarray | None = None,
+) -> np.ndarray:
     """The float64 reference trajectory of ``case``, shape ``(steps + 1, n)``.
 
     With ``grads_at`` (a backend trajectory) the reference is the *shadow* of
     that run: it starts at ``grads_at[0]`` and step ``t`` uses the gradient
-    evaluated at ``grads_at[t]``.
+    evaluated at ``grads_at[t]``. ``options`` are a backend's reference options
+    (its Muon's form); ``start`` replaces the problem's first point in a closed
+    loop. The reference steps each of the problem's tensors on its own.
     """
-    problem, opt = case.problem, case.reference_optimizer()
-    x = problem.x0 if grads_at is None else np.asarray(grads_at[0], dtype=np.float64)
-    state = opt.init(x)
+    problem, opt = case.problem, case.reference_optimizer(**(options or {}))
+    if grads_at is not None:
+        x = np.asarray(grads_at[0], dtype=np.float64)
+    else:
+        x = problem.x0 if start is None else np.asarray(start, dtype=np.float64)
+    parts = problem.split(x)
+    states = [opt.init(p) for p in parts]
     out = [x]
     for t, lr in enumerate(case.lrs):
-        g = problem.grad(x if grads_at is None else grads_at[t], t)
-        x, state = opt.step(x, g, state, lr)
+        grads = problem.split(problem.grad(x if grads_at is None else grads_at[t], t))
+        steps = [opt.step(p, g, s, lr) for p, g, s in zip(parts, grads, states, strict=True)]
+        parts, states = [p for p, _ in steps], [s for _, s in steps]
+        x = problem.join(parts)
         out.append(x)
     return np.stack(out)
 
@@ -101,7 +117,9 @@ class Row:
 def check(adapter: Adapter, case: Case, dtype: str) -> Row:
     """Run one case on one backend in one dtype and compare with the reference."""
     trajectory = adapter.run(case, dtype)
-    ref = reference_trajectory(case, None if dtype == "float64" else trajectory)
+    ref = reference_trajectory(
+        case, None if dtype == "float64" else trajectory, adapter.reference_options(case)
+    )
     return Row(
         case.name,
         adapter.name,

@@ -26,7 +26,7 @@ def test_numpy_adapter_follows_the_reference(case, dtype) -> None:
 def test_cases_cover_the_required_regimes() -> None:
     hp = [(c.optimizer, c.hparams) for c in CASES]
     qhm = [h for o, h in hp if o == "qhm"]
-    qhadam = [h for o, h in hp if o != "qhm"]
+    qhadam = [h for o, h in hp if o in ("qhadam", "qhadamw")]
     assert any(h["nu"] == 0 for h in qhm)  # SGD
     assert any(h["nu"] == 1 for h in qhm)  # momentum
     assert any(h["nu"] == h["momentum"] for h in qhm)  # NAG
@@ -34,13 +34,87 @@ def test_cases_cover_the_required_regimes() -> None:
     assert any(h["momentum"] == 0 for h in qhm)
     assert any(h["nus"][1] < 1 for h in qhadam)
     assert any(not 0 <= h["nus"][0] <= 1 for h in qhadam)
-    assert {c.weight_decay_mode for c in CASES} == {"none", "coupled", "decoupled"}
+    assert {c.weight_decay_mode for c in CASES} == {"none", "coupled", "decoupled", "native"}
     assert {c.schedule.get("kind", "constant") for c in CASES} >= {"constant", "step", "warmup"}
-    assert {c.problem_name for c in CASES} == {"quadratic", "rosenbrock", "logistic", "spiky"}
-    assert {c.optimizer for c in CASES} == {"qhm", "qhadam", "qhadamw"}
+    assert {c.problem_name for c in CASES} == {
+        "quadratic",
+        "rosenbrock",
+        "logistic",
+        "spiky",
+        "matrices",
+    }
+    assert {c.optimizer for c in CASES} == {"qhm", "qhadam", "qhadamw", "qhmuon"}
     assert {c.optimizer for c in CASES if c.amsgrad} == {"qhadam", "qhadamw"}
     assert any(c.amsgrad and c.hparams["nus"][1] < 1 for c in CASES)
     assert all(c.steps >= 100 for c in CASES)
+
+
+def test_qhmuon_cases_cover_muon_and_beyond() -> None:
+    qhmuon = [c.hparams for c in CASES if c.optimizer == "qhmuon"]
+    assert any(h["nu"] == h["momentum"] for h in qhmuon)  # Muon, Nesterov
+    assert any(h["nu"] == 1 for h in qhmuon)  # Muon without
+    assert any(h["nu"] == 0 for h in qhmuon)
+    assert any(h["nu"] > 1 for h in qhmuon)
+    assert any((h["nu"], h["momentum"]) == (0.7, 0.999) for h in qhmuon)  # the paper's
+    assert any(h.get("weight_decay") for h in qhmuon)
+    assert any(h.get("adjust_lr_fn") == "match_rms_adamw" for h in qhmuon)
+    assert any(h.get("ns_steps", 5) != 5 for h in qhmuon)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.optimizer == "qhmuon"], ids=lambda c: c.name
+)
+def test_qhmuon_cases_keep_the_closed_loop_comparable(case) -> None:
+    # float64 runs are compared closed loop, which means something only where
+    # the loop does not amplify rounding: a start nudged by 1e-10 (relative)
+    # must end within 1e-8. Muon's loop turns chaotic once a singular value of
+    # its gradient nears zero (see the matrices problem): at twice the
+    # learning rate the nu = 0 case already loses all digits.
+    def spread(case) -> float:
+        x0 = case.problem.x0
+        nudged = x0 * (1 + 1e-10 * np.random.default_rng(0).standard_normal(x0.shape))
+        return runner.max_relative_deviation(
+            runner.reference_trajectory(case, start=nudged), runner.reference_trajectory(case)
+        )
+
+    assert spread(case) < 1e-8
+    if case.name == "qhmuon-nu-zero-matrices":
+        fast = dataclasses.replace(case, hparams=dict(case.hparams, lr=2 * case.hparams["lr"]))
+        assert spread(fast) > 1e-4
+
+
+# Each framework's Muon differs from the reference's default (torch's) form by
+# design; the adapters tell the reference which. Each option must move the
+# trajectory past the float64 tolerance, or a backend could pass with the wrong
+# one. (Keras's unnormalized trace is the same direction scaled by 1/(1 - beta),
+# which the orthogonalization removes: no option to test.)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"norm_guard": "add", "eps": 1e-8},
+        {"bias_corrected": True},
+        {"fan_in_first": True},
+        {"decoupled_weight_decay": False},
+        {"adjust_lr_fn": "match_rms_adamw", "rms": 0.25},
+    ],
+    ids=lambda o: "-".join(o),
+)
+def test_every_qhmuon_reference_option_changes_some_trajectory(options) -> None:
+    deviations = [
+        runner.max_relative_deviation(
+            runner.reference_trajectory(case, options=options), runner.reference_trajectory(case)
+        )
+        for case in CASES
+        if case.optimizer == "qhmuon"
+    ]
+    assert max(deviations) > 1e3 * runner.TOLERANCES["float64"]
+
+
+def test_the_reference_options_reach_the_reference() -> None:
+    case = next(c for c in CASES if c.name == "qhmuon-nu-above-one-decay-cosine")
+    options = {"norm_guard": "add", "decoupled_weight_decay": False}
+    opt = case.reference_optimizer(**options)
+    assert (opt.norm_guard, opt.decoupled_weight_decay, opt.nu) == ("add", False, 1.3)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.amsgrad], ids=lambda c: c.name)
@@ -51,6 +125,23 @@ def test_amsgrad_cases_exercise_the_running_maximum(case) -> None:
     plain = runner.reference_trajectory(dataclasses.replace(case, hparams=hp))
     assert runner.max_relative_deviation(plain, runner.reference_trajectory(case)) > 1e-3
     assert not dataclasses.replace(case, hparams=hp).amsgrad
+
+
+@pytest.mark.parametrize(
+    ("problem", "hparams", "message"),
+    [
+        ("matrices", "lr = 0.01, momentum = 0.9, nu = 0.7, eps = 1e-8", "received eps"),
+        ("quadratic", "lr = 0.01, momentum = 0.9, nu = 0.7", "QHMuon steps matrices"),
+    ],
+)
+def test_qhmuon_cases_are_checked(tmp_path, problem, hparams, message) -> None:
+    bad = tmp_path / "cases.toml"
+    bad.write_text(
+        f'[[case]]\nname = "x"\nproblem = "{problem}"\noptimizer = "qhmuon"\n'
+        f"hparams = {{ {hparams} }}\n"
+    )
+    with pytest.raises(ValueError, match=message):
+        load_cases(bad)
 
 
 def test_qhm_cases_cannot_ask_for_amsgrad(tmp_path) -> None:
@@ -85,7 +176,14 @@ def test_spiky_problem_has_rare_huge_spikes() -> None:
 # logistic and spiky have stochastic gradients (minibatches, noise): not d(loss)/dx.
 @pytest.mark.parametrize(
     "name",
-    ["quadratic", "rosenbrock", "quadratic-kappa100", "rosenbrock-2d", "logistic-full-batch"],
+    [
+        "quadratic",
+        "rosenbrock",
+        "matrices",
+        "quadratic-kappa100",
+        "rosenbrock-2d",
+        "logistic-full-batch",
+    ],
 )
 def test_problem_gradients_match_finite_differences(name) -> None:
     p = get_problem(name)
@@ -146,6 +244,8 @@ class _PerturbedAdapter(NumpyAdapter):
         ("qhadam-slow-beta1-quadratic", "nus", 1e-6),
         ("qhadam-nu2-spiky", "betas", 1e-6),
         ("qhadam-amsgrad-spiky", "amsgrad", None),
+        ("qhmuon-rule-of-thumb-matrices", "nu", 1e-6),
+        ("qhmuon-muon-nesterov-matrices", "momentum", 1e-6),
     ],
 )
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

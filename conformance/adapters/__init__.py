@@ -7,7 +7,11 @@ An adapter is an object with
 - ``supports(case, dtype) -> bool``;
 - ``run(case, dtype) -> ndarray``: the parameter trajectory, shape
   ``(steps + 1, n)`` in float64, row 0 being the initial point as the backend
-  stores it.
+  stores it;
+- ``reference_options(case) -> dict``: what the reference must be told to step
+  as this backend does where frameworks differ by design -- QHMuon's form of its
+  framework's Muon (``qhoptim.reference.QHMuon``'s ``norm_guard``, ``eps``,
+  ``bias_corrected``, ...); empty where the backend follows the core's form.
 
 :func:`closed_loop` is the shared driver: gradients are computed by the
 problem's oracle at the backend's *current* parameters, cast to the backend's
@@ -50,6 +54,8 @@ class Adapter(Protocol):
 
     def run(self, case: Case, dtype: str) -> np.ndarray: ...
 
+    def reference_options(self, case: Case) -> dict[str, Any]: ...
+
 
 def load_adapter(name: str) -> Adapter:
     try:
@@ -78,6 +84,9 @@ class _Unavailable:
 
     def run(self, case: Case, dtype: str) -> np.ndarray:  # pragma: no cover
         raise RuntimeError(self.reason)
+
+    def reference_options(self, case: Case) -> dict[str, Any]:  # pragma: no cover
+        return {}
 
 
 def closed_loop(

@@ -19,6 +19,12 @@ expresses it with layer regularizers, which add ``weight_decay * param`` to the
 gradient -- so coupled cases add ``weight_decay * param`` to the gradient here,
 before ``apply``, exactly what a regularizer's gradient contributes.
 
+QHMuon runs in float32 only, as Keras's Muon does (its shape scaling is a
+float32 tensor, which TensorFlow refuses beside a float64 variable, and Keras on
+torch multiplies float64 matrices in float32), with Keras's Muon's own scale
+(``rms_rate=0.2``, :func:`qhoptim.rules.muon_lr_ratio`'s ``"match_rms_adamw"``):
+cases that ask for another scale are not Keras's.
+
 float64 runs on JAX need ``jax_enable_x64``; it is switched on when this adapter
 is loaded with the JAX backend (the conformance process owns its JAX configuration).
 """
@@ -39,9 +45,20 @@ import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
 
 import qhoptim.keras as qk  # noqa: E402
+from qhoptim import rules  # noqa: E402
 
 from ..cases import Case  # noqa: E402
 from . import closed_loop  # noqa: E402
+
+# Keras's Muon: the trace m = beta m + g, ||U|| + 1e-7, (fan_in, fan_out), rms_rate 0.2.
+QHMUON_REFERENCE_OPTIONS = {
+    "norm_guard": "add",
+    "eps": qk._qhmuon.KERAS_MUON_NORM_EPS,
+    "unnormalized_buffer": True,
+    "fan_in_first": True,
+    "adjust_lr_fn": "match_rms_adamw",
+    "rms": 0.2,
+}
 
 
 class PerStepLearningRate(keras.optimizers.schedules.LearningRateSchedule):
@@ -57,6 +74,15 @@ class PerStepLearningRate(keras.optimizers.schedules.LearningRateSchedule):
 def make_optimizer(case: Case, learning_rate: Any) -> keras.optimizers.Optimizer:
     """The Keras optimizer for ``case`` (decoupled decay included; coupled decay is not)."""
     hp, mode = case.hparams, case.weight_decay_mode
+    if case.optimizer == "qhmuon":
+        return qk.QHMuon(
+            learning_rate,
+            momentum=hp["momentum"],
+            nu=hp["nu"],
+            weight_decay=hp.get("weight_decay", 0.0),
+            ns_steps=hp.get("ns_steps", rules.MUON_NS_STEPS),
+            rms_rate=QHMUON_REFERENCE_OPTIONS["rms"],
+        )
     wd = hp["weight_decay"] if mode == "decoupled" else None
     if case.optimizer == "qhm":
         return qk.QHM(learning_rate, momentum=hp["momentum"], nu=hp["nu"], weight_decay=wd)
@@ -109,7 +135,13 @@ class KerasAdapter:
         return True
 
     def supports(self, case: Case, dtype: str) -> bool:
+        if case.optimizer == "qhmuon":
+            adjust = case.hparams.get("adjust_lr_fn")
+            return dtype == "float32" and adjust in (None, QHMUON_REFERENCE_OPTIONS["adjust_lr_fn"])
         return dtype in ("float32", "float64")
+
+    def reference_options(self, case: Case) -> dict[str, Any]:
+        return dict(QHMUON_REFERENCE_OPTIONS) if case.optimizer == "qhmuon" else {}
 
     def run(self, case: Case, dtype: str) -> np.ndarray:
         opt = make_optimizer(case, PerStepLearningRate(case.lrs, dtype))

@@ -7,6 +7,10 @@ float32 ``mx.array`` (MLX's convention) and round a float64 run's learning rate.
 
 Weight decay: coupled cases use ``weight_decay``, decoupled ones
 ``decoupled_weight_decay=True`` (QHM, QHAdam) or :class:`qhoptim.mlx.QHAdamW`.
+
+QHMuon is MLX's Muon's form: coupled weight decay, ``||U|| + eps``, the shape's
+ratio ``sqrt(max(1, rows / columns))`` (no other scale: cases that ask for one
+are not MLX's), Newton-Schulz in the run's dtype (``ns_dtype``).
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import mlx.optimizers as optim
 import numpy as np
 
 import qhoptim.mlx as qhmlx
+from qhoptim import rules
 
 from ..cases import Case
 from . import closed_loop
@@ -24,10 +30,19 @@ from . import closed_loop
 DTYPES = {"float32": mx.float32, "float64": mx.float64}
 
 
-def make_optimizer(case: Case, learning_rate: Any, **options: Any) -> qhmlx.QHM | qhmlx.QHAdam:
+def make_optimizer(case: Case, learning_rate: Any, **options: Any) -> optim.Optimizer:
     """The MLX optimizer a user would write for ``case`` (weight decay included);
-    ``options`` (``state_dtype``, ...) are passed on."""
+    ``options`` (``state_dtype``, ``ns_dtype``, ...) are passed on."""
     hp, mode = case.hparams, case.weight_decay_mode
+    if case.optimizer == "qhmuon":
+        return qhmlx.QHMuon(
+            learning_rate,
+            hp["momentum"],
+            hp["nu"],
+            weight_decay=hp.get("weight_decay", 0.0),
+            ns_steps=hp.get("ns_steps", rules.MUON_NS_STEPS),
+            **options,
+        )
     decay = {"weight_decay": hp.get("weight_decay", 0.0)} if mode != "none" else {}
     if mode == "decoupled" and case.optimizer != "qhadamw":
         decay["decoupled_weight_decay"] = True
@@ -45,7 +60,15 @@ class MLXAdapter:
         return True
 
     def supports(self, case: Case, dtype: str) -> bool:
+        muon_scale = case.hparams.get("adjust_lr_fn")
+        if case.optimizer == "qhmuon" and muon_scale not in (None, "original"):
+            return False
         return dtype in DTYPES
+
+    def reference_options(self, case: Case) -> dict[str, Any]:
+        if case.optimizer != "qhmuon":
+            return {}
+        return {"norm_guard": "add", "decoupled_weight_decay": False}
 
     def run(self, case: Case, dtype: str) -> np.ndarray:
         with mx.stream(mx.cpu):
@@ -53,7 +76,8 @@ class MLXAdapter:
 
     def _run(self, case: Case, dtype: mx.Dtype) -> np.ndarray:
         lrs = mx.array(np.asarray(case.lrs, dtype=np.float64), dtype=dtype)
-        opt = make_optimizer(case, lambda step: lrs[step])
+        muon = {"ns_dtype": dtype} if case.optimizer == "qhmuon" else {}
+        opt = make_optimizer(case, lambda step: lrs[step], **muon)
 
         def step(o: Any, params: list[mx.array], grads: list[mx.array], lr: float) -> Any:
             del lr  # the schedule supplies it

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from qhoptim import rules
+from qhoptim import reference, rules
 
 from ..cases import Case
 from . import closed_loop
@@ -22,7 +22,7 @@ class _NumpyOptimizer:
         self.case = case
         self.hp = case.hparams
         self.step_count = 0
-        if case.optimizer == "qhm":
+        if case.optimizer in ("qhm", "qhmuon"):
             self.buffers = [np.zeros_like(p) for p in params]
         else:
             self.exp_avg = [np.zeros_like(p) for p in params]
@@ -30,6 +30,8 @@ class _NumpyOptimizer:
             self.max_exp_avg_sq = [np.zeros_like(p) for p in params]
 
     def step(self, params: list[np.ndarray], grads: list[np.ndarray], lr: float) -> list[Any]:
+        if self.case.optimizer == "qhmuon":
+            return self._qhmuon_step(params, grads, lr)
         hp, mode = self.hp, self.case.weight_decay_mode
         self.step_count += 1
         if self.case.optimizer != "qhm":
@@ -69,6 +71,30 @@ class _NumpyOptimizer:
             out.append(rules.apply_update(p, update, lr, decay).astype(p.dtype, copy=False))
         return out
 
+    def _qhmuon_step(
+        self, params: list[np.ndarray], grads: list[np.ndarray], lr: float
+    ) -> list[Any]:
+        # torch's Muon's form (the reference's defaults): decoupled decay, the
+        # norm floored at eps, the (fan_out, fan_in) layout.
+        hp = self.hp
+        decay = rules.decoupled_decay_factor(lr, hp.get("weight_decay", 0.0))
+        out = []
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            self.buffers[i], direction = rules.qhm_update(
+                g, self.buffers[i], momentum=hp["momentum"], nu=hp["nu"]
+            )
+            rows, columns = p.shape
+            update = rules.newton_schulz(
+                direction,
+                rows=rows,
+                columns=columns,
+                ops=reference.NUMPY_MATRIX_OPS,
+                steps=hp.get("ns_steps", rules.MUON_NS_STEPS),
+            )
+            ratio = rules.muon_lr_ratio(hp.get("adjust_lr_fn"), rows, columns)
+            out.append(rules.apply_update(p, update, lr * ratio, decay).astype(p.dtype, copy=False))
+        return out
+
 
 class NumpyAdapter:
     name = "numpy"
@@ -78,6 +104,9 @@ class NumpyAdapter:
 
     def supports(self, case: Case, dtype: str) -> bool:
         return dtype in ("float32", "float64")
+
+    def reference_options(self, case: Case) -> dict[str, Any]:
+        return {}
 
     def run(self, case: Case, dtype: str) -> np.ndarray:
         return closed_loop(

@@ -10,6 +10,7 @@ and the float32 rows would not test the float32 path).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import jax
@@ -21,9 +22,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import qhoptim.optax as qho  # noqa: E402
+from qhoptim import rules  # noqa: E402
 
 from ..cases import Case  # noqa: E402
 from . import closed_loop  # noqa: E402
+
+# optax's Muon adds its epsilon to the norm Newton-Schulz divides by.
+QHMUON_EPS = inspect.signature(qho.qhmuon).parameters["eps"].default
 
 
 def make_transformation(
@@ -33,6 +38,17 @@ def make_transformation(
     ``options`` (``state_dtype``, ...) go to qhoptim's transformation."""
     hp, mode = case.hparams, case.weight_decay_mode
     wd = hp.get("weight_decay", 0.0)
+    if case.optimizer == "qhmuon":
+        return qho.qhmuon(
+            learning_rate,
+            ns_steps=hp.get("ns_steps", rules.MUON_NS_STEPS),
+            beta=hp["momentum"],
+            weight_decay=wd,
+            nu=hp["nu"],
+            # optax's own scale (fan_in, fan_out layout) unless the case asks for RMS matching
+            consistent_rms=0.2 if hp.get("adjust_lr_fn") == "match_rms_adamw" else None,
+            **options,
+        )
     if case.optimizer == "qhm":
         if mode == "decoupled":
             return optax.chain(
@@ -69,6 +85,17 @@ class OptaxAdapter:
 
     def supports(self, case: Case, dtype: str) -> bool:
         return dtype in ("float32", "float64")
+
+    def reference_options(self, case: Case) -> dict[str, Any]:
+        if case.optimizer != "qhmuon":
+            return {}
+        # optax.contrib.muon's form: bias-corrected momentum, ||U|| + eps, (fan_in, fan_out).
+        return {
+            "norm_guard": "add",
+            "eps": QHMUON_EPS,
+            "bias_corrected": True,
+            "fan_in_first": True,
+        }
 
     def run(self, case: Case, dtype: str) -> np.ndarray:
         with x64(dtype == "float64"):

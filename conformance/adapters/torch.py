@@ -7,6 +7,11 @@ the fused one through the CUDA (Triton) kernels, on CPU under Triton's
 interpreter (``TRITON_INTERPRET=1``); all run in float32 and float64. Each
 step writes the case's learning rate into the param group (as an lr scheduler
 does), sets ``p.grad`` and calls ``optimizer.step()``.
+
+QHMuon has one implementation (torch's Muon's, per matrix): ``TorchAdapter``
+runs its cases, with Newton-Schulz in the run's dtype (``ns_dtype``; torch's
+Muon's bfloat16 would round far past either tolerance); its form is the
+reference's default.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ __all__ = ["TorchAdapter", "TorchForeachAdapter", "TorchFusedAdapter", "TorchTri
 
 
 def _optimizer(case: Case, params: list[Any], implementation: dict[str, bool]) -> Any:
-    from qhoptim.torch import QHM, QHAdam, QHAdamW
+    from qhoptim.torch import QHM, QHAdam, QHAdamW, QHMuon
 
     hp = case.hparams
+    if case.optimizer == "qhmuon":
+        return QHMuon(params, **{"weight_decay": 0.0, **hp}, ns_dtype=params[0].dtype)
     wd = hp.get("weight_decay", 0.0)
     decoupled = case.weight_decay_mode == "decoupled"
     if case.optimizer == "qhm":
@@ -54,6 +61,8 @@ def _optimizer(case: Case, params: list[Any], implementation: dict[str, bool]) -
 class TorchAdapter:
     name = "torch"
     implementation: dict[str, bool] = {"foreach": False}  # noqa: RUF012 (read only)
+    # QHMuon's one implementation runs under this adapter alone.
+    steps_qhmuon = True
 
     def available(self) -> bool:
         try:
@@ -65,7 +74,11 @@ class TorchAdapter:
         return True
 
     def supports(self, case: Case, dtype: str) -> bool:
-        return dtype in ("float32", "float64")
+        muon = case.optimizer == "qhmuon"
+        return dtype in ("float32", "float64") and (self.steps_qhmuon or not muon)
+
+    def reference_options(self, case: Case) -> dict[str, Any]:
+        return {}
 
     def run(self, case: Case, dtype: str) -> np.ndarray:
         import torch
@@ -92,11 +105,13 @@ class TorchAdapter:
 class TorchForeachAdapter(TorchAdapter):
     name = "torch-foreach"
     implementation = {"foreach": True}  # noqa: RUF012
+    steps_qhmuon = False
 
 
 class TorchFusedAdapter(TorchAdapter):
     name = "torch-fused"
     implementation = {"fused": True}  # noqa: RUF012
+    steps_qhmuon = False
 
 
 class TorchTritonAdapter(TorchAdapter):
@@ -105,6 +120,7 @@ class TorchTritonAdapter(TorchAdapter):
 
     name = "torch-triton"
     implementation = {"fused": True}  # noqa: RUF012
+    steps_qhmuon = False
 
     def available(self) -> bool:
         import importlib.util

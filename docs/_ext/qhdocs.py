@@ -399,7 +399,10 @@ def _conformance_tables(unavailable: dict[str, str]) -> None:
     n_ok = sum(r["passed"] for r in rows)
     out = [
         f"**{n_ok} passed, {len(rows) - n_ok} failed**: {len(cases)} cases × "
-        f"{len(backends)} backends ({', '.join(backends)}) × 2 dtypes, run during this build.",
+        f"{len(backends)} backends ({', '.join(backends)}) in float64 and float32, run "
+        "during this build. A dash: the backend does not run that case in that dtype "
+        "(QHMuon has one torch implementation; Keras's Muon steps float32; MLX's Muon "
+        "has no other shape scale).",
         "",
     ]
     if unavailable:

@@ -15,7 +15,14 @@ from qhoptim.mlx import QHM, QHAdam, QHAdamW
 def test_conformance_rows_all_pass() -> None:
     rows = runner.run(["mlx"])
     runner.record(rows, "mlx")
-    assert len(rows) == 2 * len(runner.load_cases())
+    # float64 and float32, every case but QHMuon's with a scale MLX's Muon lacks
+    assert {(r.case, r.dtype) for r in rows} == {
+        (c.name, dtype)
+        for c in runner.load_cases()
+        for dtype in runner.DTYPES
+        if c.hparams.get("adjust_lr_fn") in (None, "original")
+    }
+    assert sum(r.case.startswith("qhmuon") for r in rows) >= 10
     failed = [r for r in rows if not r.passed]
     assert not failed, runner.format_table(failed)
 
