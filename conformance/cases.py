@@ -138,13 +138,14 @@ def load_cases(path: Path = CASES_FILE) -> tuple[Case, ...]:
 
 
 # ------------------------------------------------------------- narrow state
-def narrow_state_cases() -> list[Case]:
+def narrow_state_cases(optimizers: tuple[str, ...] = ("qhm", "qhadam", "qhadamw")) -> list[Case]:
     """The cases on which every backend's tests run bfloat16 state against
-    float32 state (``state_dtype``): QHM, QHAdam and QHAdamW at a constant
-    learning rate."""
-    names = {"qhm", "qhadam", "qhadamw"}
+    float32 state (``state_dtype``): those of ``optimizers`` (QHM, QHAdam and
+    QHAdamW, or QHMuon) at a constant learning rate."""
     return [
-        c for c in load_cases() if c.optimizer in names and c.schedule.get("kind") == "constant"
+        c
+        for c in load_cases()
+        if c.optimizer in optimizers and c.schedule.get("kind") == "constant"
     ]
 
 

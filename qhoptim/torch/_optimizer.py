@@ -1,7 +1,8 @@
-"""The base class QHM and QHAdam share: validation of param groups, gathering the
-parameters with gradients, the upgrade of older state dicts (qhoptim 1.1.0's
-included), narrow state, ``fused=True``'s set-up, ``step``; and the docstring
-fragments of torch's flags.
+"""The base classes of qhoptim.torch's optimizers: narrow state and checked
+checkpoints, which every one has (QHMuon too); and what QHM and QHAdam share:
+validation of param groups, gathering the parameters with gradients, the
+upgrade of older state dicts (qhoptim 1.1.0's included), ``fused=True``'s
+set-up, ``step``; and the docstring fragments of torch's flags.
 
 It stands on the layers below (``_tensors``, ``_state_dtype``, ``_fused``,
 ``_state_dict``) and holds no tensor arithmetic; each optimizer module
@@ -180,52 +181,12 @@ def sparse_error(optimizer: str) -> RuntimeError:
     return RuntimeError(f"{optimizer} does not support sparse gradients")
 
 
-class QHOptimizer(Optimizer):
-    """Plumbing shared by QHM and QHAdam: flags of older state dicts, gathering
-    the parameters that have a gradient, and ``step`` over the param groups."""
-
-    # The spelling of decoupled weight decay in qhoptim 1.1.0 and before: QHM's
-    # ``weight_decay_type`` ("grad" | "direct"), QHAdam's ``decouple_weight_decay``.
-    # qhoptim.torch reads it with a DeprecationWarning, qhoptim.pyt silently.
-    _LEGACY_DECAY_KEY = ""
-    _WARN_LEGACY = True
-
-    @staticmethod
-    def _decoupled_from_legacy(value: Any) -> bool:
-        """The ``decoupled_weight_decay`` that the legacy setting ``value`` means."""
-        raise NotImplementedError
-
-    def _renamed(self, group: dict[str, Any], *, warn: bool) -> dict[str, Any]:
-        """``group`` with its legacy weight-decay key read into ``decoupled_weight_decay``."""
-        key = self._LEGACY_DECAY_KEY
-        if key not in group:
-            return group
-        group = dict(group)
-        value = group.pop(key)
-        decoupled = self._decoupled_from_legacy(value)
-        if warn and self._WARN_LEGACY:
-            warnings.warn(
-                f"{type(self).__name__}: {key}={value!r} is deprecated; "
-                f"use decoupled_weight_decay={decoupled}",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-        group["decoupled_weight_decay"] = decoupled
-        return group
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for i, group in enumerate(self.param_groups):
-            # Older state dicts (qhoptim 1.1.0's included) lack torch's flags.
-            for flag, default in _TORCH_FLAGS.items():
-                group.setdefault(flag, default)
-            group = self.param_groups[i] = self._renamed(group, warn=False)
-            group.setdefault("decoupled_weight_decay", False)
-            self._upgrade_group(group)
-
-    def _upgrade_group(self, group: dict[str, Any]) -> None:
-        """Fill in what an older state dict lacks in ``group`` and its state."""
-        raise NotImplementedError
+class NarrowStateOptimizer(Optimizer):
+    """What every ``qhoptim.torch`` optimizer shares: state stored in a narrower
+    ``state_dtype`` (stepped on working copies or in the fused kernel, converted
+    when a checkpoint of another dtype is loaded, read back by
+    :meth:`decoded_state`) and a ``load_state_dict`` that checks the checkpoint
+    fits first. Subclasses name their groups' keys and their state lists."""
 
     # What a state dict of this optimizer holds: the hyperparameters every param
     # group must have, and the sets of keys a parameter's state may have (the
@@ -240,11 +201,6 @@ class QHOptimizer(Optimizer):
         """Validate a param group's hyperparameters (``validation``'s checks)."""
         raise NotImplementedError
 
-    @classmethod
-    def _from_conversion(cls, params: Any, converted: Any, expected: type, **kwargs: Any) -> Any:
-        validation.check_conversion(f"{cls.__name__}.from_params", converted, expected)
-        return cls(params, **converted.as_kwargs(), **kwargs)
-
     def _step_lists(
         self,
         group: dict[str, Any],
@@ -255,6 +211,7 @@ class QHOptimizer(Optimizer):
         run: Callable[..., None],
         *,
         count_steps: bool,
+        whole_tensors: bool = False,
     ) -> None:
         """``run(params, grads, state_lists, steps, state_seeds)``, the functional step,
         for a group whose state may be stored narrower than its parameters
@@ -267,7 +224,8 @@ class QHOptimizer(Optimizer):
         taken (the count in ``steps`` plus one; the count is advanced here,
         except by QHAdam's fused step, which advances its own) and the
         parameter's position in the optimizer. ``count_steps``: the counts are
-        only for the seeds (QHM's).
+        only for the seeds (QHM's). ``whole_tensors``: ``run`` takes each tensor
+        whole, never a slice of a large one (QHMuon's orthogonalization).
         """
         if group.get("state_dtype") is None:
             run(params, grads, state_lists, steps, None)
@@ -308,6 +266,7 @@ class QHOptimizer(Optimizer):
             state_dtype=group["state_dtype"],
             stochastic_rounding=group.get("stochastic_rounding"),
             signed=self._SIGNED,
+            whole_tensors=whole_tensors,
         )
         # A step GradScaler skipped (an inf or NaN gradient) leaves QHM's counts.
         advance = count_steps and not _fused.skipped(self._amp_tensors()["found_inf"])
@@ -331,25 +290,6 @@ class QHOptimizer(Optimizer):
             if _state_dtype.PARAM_SHAPE in state:  # loaded, and cast like the rest
                 record = state[_state_dtype.PARAM_SHAPE]
                 state[_state_dtype.PARAM_SHAPE] = record.to(device="cpu", dtype=torch.int64)
-
-    def _check_decay(self, group: dict[str, Any]) -> None:
-        decoupled = self._renamed(group, warn=False).get("decoupled_weight_decay", False)
-        if not isinstance(decoupled, bool):
-            raise TypeError(
-                "decoupled_weight_decay must be a bool; "
-                f"received decoupled_weight_decay={decoupled!r}"
-            )
-
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        super().__init__(params, as_numbers(defaults))
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if isinstance(param_group, dict):
-            param_group = self._renamed(param_group, warn=True)
-        self._check_group({**self.defaults, **param_group})
-        if isinstance(param_group, dict):
-            param_group = as_numbers(param_group)
-        super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the optimizer state, after checking it fits this optimizer.
@@ -439,6 +379,84 @@ class QHOptimizer(Optimizer):
             if key in p_state
         }
 
+    def _amp_tensors(self) -> dict[str, Tensor | None]:
+        return {
+            "grad_scale": getattr(self, "grad_scale", None),
+            "found_inf": getattr(self, "found_inf", None),
+        }
+
+
+class QHOptimizer(NarrowStateOptimizer):
+    """Plumbing shared by QHM and QHAdam: flags of older state dicts, gathering
+    the parameters that have a gradient, and ``step`` over the param groups."""
+
+    # The spelling of decoupled weight decay in qhoptim 1.1.0 and before: QHM's
+    # ``weight_decay_type`` ("grad" | "direct"), QHAdam's ``decouple_weight_decay``.
+    # qhoptim.torch reads it with a DeprecationWarning, qhoptim.pyt silently.
+    _LEGACY_DECAY_KEY = ""
+    _WARN_LEGACY = True
+
+    @staticmethod
+    def _decoupled_from_legacy(value: Any) -> bool:
+        """The ``decoupled_weight_decay`` that the legacy setting ``value`` means."""
+        raise NotImplementedError
+
+    def _renamed(self, group: dict[str, Any], *, warn: bool) -> dict[str, Any]:
+        """``group`` with its legacy weight-decay key read into ``decoupled_weight_decay``."""
+        key = self._LEGACY_DECAY_KEY
+        if key not in group:
+            return group
+        group = dict(group)
+        value = group.pop(key)
+        decoupled = self._decoupled_from_legacy(value)
+        if warn and self._WARN_LEGACY:
+            warnings.warn(
+                f"{type(self).__name__}: {key}={value!r} is deprecated; "
+                f"use decoupled_weight_decay={decoupled}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        group["decoupled_weight_decay"] = decoupled
+        return group
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for i, group in enumerate(self.param_groups):
+            # Older state dicts (qhoptim 1.1.0's included) lack torch's flags.
+            for flag, default in _TORCH_FLAGS.items():
+                group.setdefault(flag, default)
+            group = self.param_groups[i] = self._renamed(group, warn=False)
+            group.setdefault("decoupled_weight_decay", False)
+            self._upgrade_group(group)
+
+    def _upgrade_group(self, group: dict[str, Any]) -> None:
+        """Fill in what an older state dict lacks in ``group`` and its state."""
+        raise NotImplementedError
+
+    @classmethod
+    def _from_conversion(cls, params: Any, converted: Any, expected: type, **kwargs: Any) -> Any:
+        validation.check_conversion(f"{cls.__name__}.from_params", converted, expected)
+        return cls(params, **converted.as_kwargs(), **kwargs)
+
+    def _check_decay(self, group: dict[str, Any]) -> None:
+        decoupled = self._renamed(group, warn=False).get("decoupled_weight_decay", False)
+        if not isinstance(decoupled, bool):
+            raise TypeError(
+                "decoupled_weight_decay must be a bool; "
+                f"received decoupled_weight_decay={decoupled!r}"
+            )
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(params, as_numbers(defaults))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            param_group = self._renamed(param_group, warn=True)
+        self._check_group({**self.defaults, **param_group})
+        if isinstance(param_group, dict):
+            param_group = as_numbers(param_group)
+        super().add_param_group(param_group)
+
     def _gather(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
     ) -> tuple[list[dict[str, Any]], bool]:
@@ -477,12 +495,6 @@ class QHOptimizer(Optimizer):
             # torch.amp.GradScaler then sets grad_scale and found_inf instead
             # of unscaling the gradients itself; the fused kernels read them.
             self._step_supports_amp_scaling = True
-
-    def _amp_tensors(self) -> dict[str, Tensor | None]:
-        return {
-            "grad_scale": getattr(self, "grad_scale", None),
-            "found_inf": getattr(self, "found_inf", None),
-        }
 
     def _step_dtype_and_device(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         """Where a new step count lives: on the parameter's device for capturable

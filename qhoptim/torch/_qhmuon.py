@@ -15,10 +15,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
 from qhoptim import convert, rules, validation
-from qhoptim.torch._optimizer import as_numbers, lr_value, maximize_doc, numbers_only, params_doc
+from qhoptim.torch import _state_dtype
+from qhoptim.torch._optimizer import (
+    NarrowStateOptimizer,
+    as_numbers,
+    lr_value,
+    maximize_doc,
+    numbers_only,
+    params_doc,
+    state_dtype_doc,
+)
 
 __all__ = ["QHMuon", "qhmuon"]
 
@@ -51,7 +60,7 @@ def _check_matrices(params: list[Tensor]) -> None:
             )
 
 
-class QHMuon(Optimizer):
+class QHMuon(NarrowStateOptimizer):
     def __init__(
         self,
         params: ParamsT,
@@ -66,6 +75,8 @@ class QHMuon(Optimizer):
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
         maximize: bool = False,
+        state_dtype: torch.dtype | None = None,
+        stochastic_rounding: bool | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -80,9 +91,29 @@ class QHMuon(Optimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "ns_dtype": ns_dtype,
             "maximize": maximize,
+            "state_dtype": state_dtype,
+            "stochastic_rounding": stochastic_rounding,
         }
         self._check_group(defaults)
         super().__init__(params, as_numbers(defaults))
+
+    _GROUP_KEYS = ("lr", "weight_decay", "momentum", "nu", "ns_coefficients", "eps", "ns_steps")
+    # With a narrow state_dtype QHMuon counts its steps (the rounding's seed), as QHM.
+    _STATE_KEYS = (
+        frozenset(),
+        frozenset({"momentum_buffer"}),
+        frozenset({"momentum_buffer", "step"}),
+    )
+    _SIGNED = (True,)
+    _STATE_LISTS = ("momentum_buffer",)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("state_dtype", None)  # pickled before it was an option
+            group.setdefault("stochastic_rounding", None)
+            # torch's load_state_dict casts the state to the parameters' dtype
+            self._narrow_state(group, self._STATE_LISTS)
 
     @staticmethod
     def _check_group(group: dict[str, Any]) -> None:
@@ -100,6 +131,7 @@ class QHMuon(Optimizer):
         )
         _check_ns_dtype(group["ns_dtype"])
         validation.check_bool(group["maximize"], "maximize")
+        _state_dtype.check_state_dtype(group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict) and hasattr(self, "defaults"):
@@ -131,7 +163,7 @@ class QHMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, buffers = [], [], []
+            params, grads, buffers, steps = [], [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -140,27 +172,46 @@ class QHMuon(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("QHMuon does not support sparse gradients")
                 state = self.state[p]
+                narrow = _state_dtype.narrow(group, p)
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format
-                    )
+                    dtype = group["state_dtype"] if narrow else None
+                    state["momentum_buffer"] = _state_dtype.zeros_state(p, dtype)
+                    if _state_dtype.eight_bit(dtype):
+                        state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
+                if narrow and "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float64)
                 params.append(p)
                 grads.append(p.grad)
                 buffers.append(state["momentum_buffer"])
-            qhmuon(
+                steps.append(state.get("step"))
+            if not params:
+                continue
+            hyperparameters = {
+                key: group[key]
+                for key in (
+                    "lr",
+                    "weight_decay",
+                    "momentum",
+                    "nu",
+                    "ns_coefficients",
+                    "eps",
+                    "ns_steps",
+                    "adjust_lr_fn",
+                    "ns_dtype",
+                    "maximize",
+                )
+            }
+            # A narrow state steps on a working copy in the parameter's dtype,
+            # each matrix whole (the orthogonalization is not element-wise).
+            self._step_lists(
+                group,
                 params,
                 grads,
-                buffers,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                nu=group["nu"],
-                ns_coefficients=group["ns_coefficients"],
-                eps=group["eps"],
-                ns_steps=group["ns_steps"],
-                adjust_lr_fn=group["adjust_lr_fn"],
-                ns_dtype=group["ns_dtype"],
-                maximize=group["maximize"],
+                [buffers],
+                steps,
+                lambda ps, gs, lists, _, __, hp=hyperparameters: qhmuon(ps, gs, lists[0], **hp),
+                count_steps=True,
+                whole_tensors=True,
             )
         return loss
 
@@ -254,6 +305,7 @@ QHMuon.__doc__ = rf"""Muon with quasi-hyperbolic momentum: QHM's direction, orth
             runs in: bfloat16 as torch's Muon, float32 or float64 for accuracy
             (default: torch.bfloat16)
         {maximize_doc}
+        {state_dtype_doc}
 
     Example:
         >>> import torch

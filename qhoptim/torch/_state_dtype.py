@@ -348,18 +348,22 @@ def write_back_(
 
 
 def _pieces(
-    params: Sequence[Tensor], grads: Sequence[Tensor], state_lists: Sequence[Sequence[Tensor]]
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state_lists: Sequence[Sequence[Tensor]],
+    whole_tensors: bool = False,
 ) -> list[list[tuple[int, int, int]]]:
     """Runs of ``(position, start, stop)`` -- whole tensors, and slices of the
     flattened ones larger than :data:`CHUNK_VALUES` -- of about that many values
     together. A tensor whose parameter, gradient or state is not contiguous
     (``channels_last``, a transpose, a slice) is one piece, whatever its size:
-    a slice of its flattened values would be a copy, not a view to step in."""
+    a slice of its flattened values would be a copy, not a view to step in; so
+    is every tensor with ``whole_tensors`` (a step that is not element-wise)."""
     runs: list[list[tuple[int, int, int]]] = [[]]
     size = 0
     for i, p in enumerate(params):
         n = p.numel()
-        whole = not (
+        whole = whole_tensors or not (
             p.is_contiguous()
             and grads[i].is_contiguous()
             and all(lst[i].is_contiguous() for lst in state_lists)
@@ -387,6 +391,7 @@ def step_with_narrow_state(
     seeds: list[list[int]],
     stochastic: bool | None,
     signed: Sequence[bool] = (),
+    whole_tensors: bool = False,
 ) -> None:
     """Run ``step(positions, params, grads, working_lists)`` piece by piece on
     working copies of ``state_lists`` (each aligned with ``params``) in the
@@ -400,8 +405,9 @@ def step_with_narrow_state(
     repeats a position for each slice of its tensor. An 8-bit state
     (:func:`eight_bit`) is decoded into its working copy and encoded back;
     ``signed[k]`` says whether state ``k`` takes negative values.
+    ``whole_tensors``: no tensor is sliced (a step that is not element-wise).
     """
-    runs = _pieces(params, grads, state_lists)
+    runs = _pieces(params, grads, state_lists, whole_tensors)
     # One scratch buffer per state list and dtype for every run's working
     # copies: allocated once per step, not once per piece, so that the memory
     # allocator has one block to reuse instead of many to keep (glibc kept up
@@ -457,6 +463,7 @@ def step_narrow_state(
     state_dtype: torch.dtype,
     stochastic_rounding: bool | None,
     signed: Sequence[bool] = (),
+    whole_tensors: bool = False,
 ) -> None:
     """One step of parameters whose state is stored in the narrower ``state_dtype``.
 
@@ -469,8 +476,9 @@ def step_narrow_state(
     its optimizer); any other steps on working copies in the parameters' dtype
     (:func:`step_with_narrow_state`), ``seeds`` None, written back rounded with
     the same seeds. ``signed[k]``: whether state ``k`` takes negative values
-    (8-bit state). ``qhoptim.torch``'s optimizers and Keras on torch both step
-    their narrow state here.
+    (8-bit state). ``whole_tensors``: ``run`` takes every tensor whole
+    (QHMuon's orthogonalization is not element-wise). ``qhoptim.torch``'s
+    optimizers and Keras on torch both step their narrow state here.
     """
     seeds = state_seeds(steps, positions)
     if in_fused_kernel(fused, state_dtype, stochastic_rounding, params):
@@ -483,5 +491,12 @@ def step_narrow_state(
         run(at, ps, gs, work, None)
 
     step_with_narrow_state(
-        params, grads, state_lists, on_working_copies, seeds, stochastic_rounding, signed
+        params,
+        grads,
+        state_lists,
+        on_working_copies,
+        seeds,
+        stochastic_rounding,
+        signed,
+        whole_tensors,
     )
