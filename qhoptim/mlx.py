@@ -189,13 +189,9 @@ def _check_real(parameter: mx.array) -> None:
         raise TypeError(f"qhoptim.mlx optimizes real floating-point arrays; got {parameter.dtype}")
 
 
-class _QHOptimizer(optim.Optimizer):
-    """What QHM and QHAdam share: the step's scalar coefficients, computed once
-    per step and dtype for all parameters (:meth:`_step_coefficients`), and
-    the state's dtype (``state_dtype``)."""
-
-    weight_decay: float
-    decoupled_weight_decay: bool
+class _NarrowState(optim.Optimizer):
+    """What every optimizer here shares: the state's dtype (``state_dtype``),
+    its rounding seeds, and the conversion of a state loaded in another dtype."""
 
     def _set_state_dtype(self, state_dtype: Any, stochastic_rounding: Any) -> None:
         name = _dtype_name(state_dtype)
@@ -215,7 +211,6 @@ class _QHOptimizer(optim.Optimizer):
         return mx.zeros(parameter.shape, dtype=self.state_dtype)
 
     def apply_gradients(self, gradients: dict[str, Any], parameters: dict[str, Any]) -> Any:
-        self._coefficients: dict[Any, Any] = {}
         # A parameter's position, for the seeds of its state's rounding: its
         # place in the gradients' tree, in which order ``apply_single`` is called.
         self._position = 0
@@ -253,6 +248,18 @@ class _QHOptimizer(optim.Optimizer):
             self._step_seeds = _materialized(seeds)
         first = rounding.state_index(position)
         return self._step_seeds[first : first + len(stored)]
+
+
+class _QHOptimizer(_NarrowState):
+    """What QHM and QHAdam share: the step's scalar coefficients, computed once
+    per step and dtype for all parameters (:meth:`_step_coefficients`)."""
+
+    weight_decay: float
+    decoupled_weight_decay: bool
+
+    def apply_gradients(self, gradients: dict[str, Any], parameters: dict[str, Any]) -> Any:
+        self._coefficients: dict[Any, Any] = {}
+        return super().apply_gradients(gradients, parameters)
 
     def _coefficients_for(self, dtype: mx.Dtype) -> Any:
         if dtype not in self._coefficients:
@@ -548,7 +555,7 @@ _MLX_MATRIX_OPS = rules.MatrixOps(
 _NS_DTYPES = (mx.bfloat16, mx.float16, mx.float32, mx.float64)
 
 
-class QHMuon(optim.Optimizer):
+class QHMuon(_NarrowState):
     r"""Muon with quasi-hyperbolic momentum: ``mlx.optimizers.Muon`` plus ``nu``.
 
     .. math::
@@ -576,6 +583,9 @@ class QHMuon(optim.Optimizer):
       ns_steps: Newton-Schulz steps, in ``[0, 100)``.
       ns_dtype: the dtype Newton-Schulz runs in (None: the parameter's, as
         MLX's Muon; ``mx.float64`` for the float64 reference's numbers).
+      state_dtype, stochastic_rounding: store the buffer narrower, as
+        :class:`QHM` does (the step in the parameter's dtype, the buffer
+        written back with :mod:`qhoptim.rounding`'s stochastic rounding).
 
     State per parameter: ``momentum_buffer``.
     """
@@ -589,6 +599,8 @@ class QHMuon(optim.Optimizer):
         ns_steps: int = rules.MUON_NS_STEPS,
         *,
         ns_dtype: mx.Dtype | None = None,
+        state_dtype: mx.Dtype | None = None,
+        stochastic_rounding: bool | None = None,
     ) -> None:
         validation.check_qhmuon(
             lr=learning_rate,
@@ -612,6 +624,7 @@ class QHMuon(optim.Optimizer):
         self.momentum, self.nu = validation.as_float(momentum), validation.as_float(nu)
         self.weight_decay = validation.as_float(weight_decay)
         self.ns_steps, self.ns_dtype = int(ns_steps), ns_dtype
+        self._set_state_dtype(state_dtype, stochastic_rounding)
 
     @classmethod
     def from_params(cls, params: convert.QHMuonParams, **kwargs: Any) -> QHMuon:
@@ -622,16 +635,19 @@ class QHMuon(optim.Optimizer):
 
     def init_single(self, parameter: mx.array, state: dict[str, Any]) -> None:
         _check_real(parameter)
-        state["momentum_buffer"] = mx.zeros_like(parameter)
+        state["momentum_buffer"] = self._zeros(parameter)
 
     def apply_single(
         self, gradient: mx.array, parameter: mx.array, state: dict[str, Any]
     ) -> mx.array:
         if self.weight_decay != 0:
             gradient = rules.coupled_weight_decay(gradient, parameter, self.weight_decay)
-        state["momentum_buffer"], direction = rules.qhm_update(
-            gradient, state["momentum_buffer"], momentum=self.momentum, nu=self.nu
+        (buf,) = self._held([state["momentum_buffer"]], parameter)
+        seeds = self._seeds([buf], parameter)
+        new_buf, direction = rules.qhm_update(
+            gradient, _working(buf, parameter), momentum=self.momentum, nu=self.nu
         )
+        state["momentum_buffer"] = _stored(new_buf, buf.dtype, None if seeds is None else seeds[0])
         lr = self.learning_rate.astype(gradient.dtype)
         if direction.ndim < 2:
             stepped: mx.array = rules.apply_update(parameter, direction, lr)

@@ -795,6 +795,8 @@ def scale_by_qhmuon(
     *,
     nu: float = 0.95,
     ns_dtype: Any | None = None,
+    state_dtype: Any | None = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescale updates by Muon with quasi-hyperbolic momentum (matrices only).
 
@@ -822,6 +824,10 @@ def scale_by_qhmuon(
       nu: :math:`\nu`, any finite real (default optax's Nesterov, ``0.95``).
       ns_dtype: optional dtype Newton-Schulz runs in (None: the update's, as
         optax's Muon).
+      state_dtype, stochastic_rounding: store the buffer in a narrower dtype,
+        as :func:`scale_by_qhm` does (stepped in the update's dtype, written
+        back with :mod:`qhoptim.rounding`'s stochastic rounding for bfloat16,
+        seeded by the update count); not with ``mu_dtype``.
 
     Returns:
       A :class:`optax.GradientTransformation` with state :class:`ScaleByQHMuonState`.
@@ -833,12 +839,18 @@ def scale_by_qhmuon(
     )  # fmt: skip
     beta, nu, eps = validation.as_float(beta), validation.as_float(nu), validation.as_float(eps)
     mu_dtype, ns_dtype = _canonical_dtype(mu_dtype), _canonical_dtype(ns_dtype)
+    state_dtype = _state_dtype(state_dtype, stochastic_rounding, mu_dtype=mu_dtype)
+    stochastic = rounding.stochastic(
+        None if state_dtype is None else jnp.dtype(state_dtype).name, stochastic_rounding
+    )
     a, b, c = (float(x) for x in ns_coeffs)
     coefficients = (a, b, c)
 
     def init_fn(params: optax.Params) -> ScaleByQHMuonState:
         _check_muon_matrices(params)
-        buffers = optax.tree.zeros_like(params, dtype=mu_dtype)
+        if state_dtype is not None:
+            _check_narrow_params(params, state_dtype)
+        buffers = optax.tree.zeros_like(params, dtype=state_dtype or mu_dtype)
         return ScaleByQHMuonState(count=jnp.zeros([], jnp.int32), momentum_buffer=buffers)
 
     def update_fn(
@@ -852,12 +864,13 @@ def scale_by_qhmuon(
         buffer_correction = rules.qhmuon_buffer_correction(nu, grad_correction)
         new_updates: list[Any] = []
         new_buffers: list[Any] = []
-        for g, buf in zip(grads, buffers, strict=True):
+        for position, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
             if g is None:
                 new_updates.append(None)
                 new_buffers.append(buf)
                 continue
-            b = rules.ewma(buf, g, beta)
+            # A narrow buffer steps in the gradient's dtype, then is stored narrow.
+            b = rules.ewma(buf if state_dtype is None else buf.astype(g.dtype), g, beta)
             direction = rules.qhm_bias_corrected_direction(
                 g, b, nu=nu, grad_correction=grad_correction.astype(g.dtype),
                 buffer_correction=buffer_correction.astype(b.dtype),
@@ -870,7 +883,11 @@ def scale_by_qhmuon(
                 coefficients=coefficients, steps=ns_steps, eps=eps, norm_guard="add",
             )  # fmt: skip
             new_updates.append(orthogonal.astype(g.dtype))
-            new_buffers.append(b if mu_dtype is None else b.astype(mu_dtype))
+            if state_dtype is not None:
+                seed = _rounding_seed(count, rounding.state_index(position))
+                new_buffers.append(_store(b, state_dtype, seed, stochastic))
+            else:
+                new_buffers.append(b if mu_dtype is None else b.astype(mu_dtype))
         new_state = ScaleByQHMuonState(count, jax.tree.unflatten(treedef, new_buffers))
         return jax.tree.unflatten(treedef, new_updates), new_state
 
@@ -916,6 +933,8 @@ def qhmuon(
     adam_nesterov: bool = True,
     consistent_rms: float | None = None,
     ns_dtype: Any | None = None,
+    state_dtype: Any | None = None,
+    stochastic_rounding: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Muon with quasi-hyperbolic momentum: ``optax.contrib.muon`` plus ``nu``.
 
@@ -928,6 +947,8 @@ def qhmuon(
     replaced by ``nu`` (and ``adam_nesterov`` for AdamW's, which optax ties to
     ``nesterov``): ``nu=beta`` is ``muon(nesterov=True)``, ``nu=1``
     ``muon(nesterov=False)`` (:func:`qhoptim.convert.from_muon`).
+    ``state_dtype`` and ``stochastic_rounding`` store the matrices' buffers
+    narrower (:func:`scale_by_qhmuon`); AdamW's moments follow ``mu_dtype``.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -954,7 +975,17 @@ def qhmuon(
     return optax.partition(
         {
             "qhmuon": optax.chain(
-                scale_by_qhmuon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nu=nu, ns_dtype=ns_dtype),
+                scale_by_qhmuon(
+                    ns_coeffs,
+                    ns_steps,
+                    beta,
+                    eps,
+                    mu_dtype,
+                    nu=nu,
+                    ns_dtype=ns_dtype,
+                    state_dtype=state_dtype,
+                    stochastic_rounding=stochastic_rounding,
+                ),
                 _scale_by_muon_shape(consistent_rms),
                 optax.add_decayed_weights(validation.as_float(weight_decay), weight_decay_mask),
                 optax.scale_by_learning_rate(learning_rate),

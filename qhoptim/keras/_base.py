@@ -78,9 +78,7 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
 
     def _set_state_dtype(self, state_dtype: Any, stochastic_rounding: Any) -> None:
         """Check and keep ``state_dtype`` and ``stochastic_rounding``."""
-        name = None if state_dtype is None else _narrow.state_dtype_name(state_dtype)
-        rounding.check_state_dtype(name, state_dtype, allowed=rounding.STATE_DTYPES)
-        rounding.check_stochastic_rounding(stochastic_rounding)
+        name = _narrow.checked_state_dtype(state_dtype, stochastic_rounding)
         self.state_dtype, self.stochastic_rounding = name, stochastic_rounding
 
     def _add_slots(self, var_list: Any, names: Any) -> Any:
@@ -101,12 +99,7 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
     ) -> Any:
         """Keras's ``add_variable``; a slot being built takes ``state_dtype``."""
         if self._building_slots and self.state_dtype is not None and dtype is not None:
-            param = _narrow.state_dtype_name(dtype) or str(dtype)
-            rounding.check_real(param.startswith("complex"))
-            rounding.check_narrower(
-                self.state_dtype, _narrow.itemsize(self.state_dtype), param, _narrow.itemsize(param)
-            )
-            dtype = self.state_dtype
+            dtype = _narrow.slot_dtype(self.state_dtype, dtype)
         return super().add_variable(shape, initializer, dtype, aggregation, **kwargs)
 
     def _state_config(self) -> dict[str, Any]:

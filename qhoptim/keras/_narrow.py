@@ -39,6 +39,24 @@ def itemsize(name: str) -> int:
     return int(digits) // 8 if digits else 1
 
 
+def checked_state_dtype(state_dtype: Any, stochastic_rounding: Any) -> str | None:
+    """``state_dtype``'s Keras name (None for None), after checking it and
+    ``stochastic_rounding`` with the shared wording."""
+    name = None if state_dtype is None else state_dtype_name(state_dtype)
+    rounding.check_state_dtype(name, state_dtype, allowed=rounding.STATE_DTYPES)
+    rounding.check_stochastic_rounding(stochastic_rounding)
+    return name
+
+
+def slot_dtype(state_dtype: str, variable_dtype: Any) -> str:
+    """``state_dtype`` for a slot of a variable of ``variable_dtype``, which it
+    must be able to follow: real, and not narrower than the state."""
+    param = state_dtype_name(variable_dtype) or str(variable_dtype)
+    rounding.check_real(param.startswith("complex"))
+    rounding.check_narrower(state_dtype, itemsize(state_dtype), param, itemsize(param))
+    return state_dtype
+
+
 def _state_seed(iterations: Any, first: Any, k: int) -> Any:
     """The rounding seed (:func:`qhoptim.rounding.rounding_seed`) of state
     ``first + k`` in the step after ``iterations`` -- a Python int on torch
@@ -88,6 +106,16 @@ def _store(value: Any, dtype: str, seed: Any) -> Any:
     return ops.cast(bitcast(bits, "float32"), "bfloat16")
 
 
+def stored(
+    value: Any, *, state_dtype: str, stochastic: bool, iterations: Any, first: Any, k: int
+) -> Any:
+    """A step's new state ``value`` in ``state_dtype``: rounded with the seed of
+    state ``first + k`` (:func:`qhoptim.rounding.state_index`) in the step after
+    ``iterations`` where ``stochastic``, else cast (:func:`_store`)."""
+    seed = _state_seed(iterations, first, k) if stochastic else None
+    return _store(value, state_dtype, seed)
+
+
 @functools.cache
 def with_narrow_state(step: Any) -> Any:
     """``step`` for slots stored narrower than their variable: the slots are
@@ -108,12 +136,17 @@ def with_narrow_state(step: Any) -> Any:
     ) -> tuple[dict[str, Any], Any]:
         working = {name: ops.cast(s, param.dtype) for name, s in slots.items()}
         new_slots, new_param = step(inputs, working, param, **hparams)
-        stored = {}
-        for k, (name, value) in enumerate(new_slots.items()):
-            seed = None
-            if stochastic:
-                seed = _state_seed(inputs["iterations"], inputs["state_index"], k)
-            stored[name] = _store(value, state_dtype, seed)
-        return stored, new_param
+        kept = {
+            name: stored(
+                value,
+                state_dtype=state_dtype,
+                stochastic=stochastic,
+                iterations=inputs["iterations"],
+                first=inputs["state_index"],
+                k=k,
+            )
+            for k, (name, value) in enumerate(new_slots.items())
+        }
+        return kept, new_param
 
     return narrow_step

@@ -8,7 +8,8 @@ from typing import Any
 import keras
 from keras import ops
 
-from qhoptim import convert, rules, validation
+from qhoptim import convert, rounding, rules, validation
+from qhoptim.keras import _narrow
 from qhoptim.keras._base import as_float, learning_rate_value
 
 __all__ = ["QHMuon"]
@@ -74,6 +75,14 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
         learning_rate: as Keras's Muon (default 0.001).
         nu: Float (keyword only). :math:`\nu`, any finite real. Defaults to
             `0.95`, Keras's default ``momentum``: its Nesterov direction.
+        state_dtype: String (keyword only). Store the momentum slot of each
+            variable Muon steps in this dtype (``"bfloat16"``: half a float32
+            slot), as :class:`QHM` stores its own; the step runs in the
+            variable's dtype. AdamW's slots (the other variables') keep their
+            variable's dtype. Defaults to `None`.
+        stochastic_rounding: Bool (keyword only). With ``state_dtype``: `None`
+            rounds bfloat16 stochastically (:mod:`qhoptim.rounding`), `False`
+            to nearest.
         **kwargs: every other argument of ``keras.optimizers.Muon`` (``momentum``,
             ``ns_steps``, ``muon_a``/``muon_b``/``muon_c``, ``weight_decay``,
             ``rms_rate``, the ``adam_*`` settings, ``exclude_layers``, ...),
@@ -85,8 +94,20 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
 
     momentum: float
     nu: float
+    # The dtype of the momentum slot being made (None: its variable's), while
+    # ``build`` makes the slots.
+    _slot_dtype: str | None = None
+    _building_slots = False
 
-    def __init__(self, learning_rate: Any = 0.001, *, nu: float = 0.95, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        learning_rate: Any = 0.001,
+        *,
+        nu: float = 0.95,
+        state_dtype: Any = None,
+        stochastic_rounding: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not _muon_keeps_a_slot_per_index():
             raise ImportError(
                 "qhoptim.keras.QHMuon builds on keras.optimizers.Muon as Keras 3.13 and "
@@ -111,6 +132,8 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
             names={"lr": "learning_rate", "ns_coefficients": "(muon_a, muon_b, muon_c)"},
         )
         self.momentum, self.nu = as_float(self.momentum), as_float(nu)
+        self.state_dtype = _narrow.checked_state_dtype(state_dtype, stochastic_rounding)
+        self.stochastic_rounding = stochastic_rounding
 
     @classmethod
     def from_params(cls, params: Any, **kwargs: Any) -> QHMuon:
@@ -119,8 +142,52 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
         validation.check_conversion(f"{cls.__name__}.from_params", params, convert.QHMuonParams)
         return cls(**{**params.as_kwargs(), **kwargs})
 
+    def add_variable_from_reference(
+        self, reference_variable: Any, name: Any = None, initializer: Any = "zeros"
+    ) -> Any:
+        """Keras's; the momentum slot of a variable Muon steps takes ``state_dtype``."""
+        state_dtype = self.state_dtype
+        narrow = (
+            self._building_slots
+            and name == "momentum"
+            and not self._should_use_adamw(reference_variable)
+        )
+        if narrow and state_dtype is not None:
+            self._slot_dtype = _narrow.slot_dtype(state_dtype, reference_variable.dtype)
+        try:
+            return super().add_variable_from_reference(reference_variable, name, initializer)
+        finally:
+            self._slot_dtype = None
+
+    def build(self, var_list: Any) -> None:
+        self._building_slots = True
+        try:
+            super().build(var_list)
+        finally:
+            self._building_slots = False
+
+    def add_variable(self, *args: Any, **kwargs: Any) -> Any:
+        if self._slot_dtype is not None:
+            kwargs["dtype"] = self._slot_dtype
+        return super().add_variable(*args, **kwargs)
+
     def _muon_update_step(self, gradient: Any, variable: Any, lr: Any, m: Any) -> None:
-        trace, direction = rules.qhm_trace_update(gradient, m, momentum=self.momentum, nu=self.nu)
+        narrow = m.dtype != variable.dtype
+        trace = ops.cast(m, variable.dtype) if narrow else m
+        trace, direction = rules.qhm_trace_update(
+            gradient, trace, momentum=self.momentum, nu=self.nu
+        )
+        if narrow:
+            trace = _narrow.stored(
+                trace,
+                state_dtype=m.dtype,
+                stochastic=rounding.stochastic(m.dtype, self.stochastic_rounding),
+                iterations=self.iterations,
+                first=ops.convert_to_tensor(
+                    rounding.state_index(self._get_variable_index(variable)), "uint32"
+                ),
+                k=0,
+            )
         self.assign(m, trace)
         rows, columns = direction.shape
         update = rules.newton_schulz(
@@ -139,4 +206,7 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
         config: dict[str, Any] = super().get_config()
         config.pop("nesterov", None)
         config["nu"] = self.nu
+        if self.state_dtype is not None or self.stochastic_rounding is not None:
+            config["state_dtype"] = self.state_dtype
+            config["stochastic_rounding"] = self.stochastic_rounding
         return config

@@ -1,6 +1,7 @@
 """``qhoptim.keras.QHMuon``: Keras's Muon at ``nu = momentum`` and ``nu = 1``
 (to its rounding; AdamW's variables bit for bit), the float64 reference
-elsewhere, configuration round trips, and bad input. Runs on every backend."""
+elsewhere, configuration round trips, narrow slots, and bad input. Runs on every
+backend."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import numpy as np
 import pytest
 
 import qhoptim.keras as qk
+from conformance.cases import narrow_state_cases, narrow_state_tolerance
+from conformance.problems import get_problem
 from qhoptim import convert, reference
 
 # Muon's matrices each way, and a vector (Keras's Muon gives it AdamW's step).
@@ -119,3 +122,92 @@ def test_an_earlier_keras_muon_is_refused_with_its_version(monkeypatch: pytest.M
     monkeypatch.setattr(qk._qhmuon, "_muon_keeps_a_slot_per_index", lambda: False)
     with pytest.raises(ImportError, match=r"Keras 3\.13 and later define it; found keras 3\."):
         qk.QHMuon()
+
+
+# ------------------------------------------------------------------ state_dtype
+def _slot_dtypes(opt: qk.QHMuon) -> dict[str, str]:
+    """Each slot's dtype by its name (``tall_momentum``, ``bias_velocity``, ...)."""
+    return {v.name: v.dtype for v in opt.variables if v.name not in ("iteration", "learning_rate")}
+
+
+def test_muons_momentum_slots_are_stored_narrow_and_adamws_are_not() -> None:
+    opt = qk.QHMuon(learning_rate=0.02, momentum=0.9, nu=0.7, state_dtype="bfloat16")
+    _run(opt, 3)
+    dtypes = _slot_dtypes(opt)
+    for k in MATRICES:
+        assert dtypes[f"{k}_momentum"] == "bfloat16"
+    assert dtypes["bias_momentum"] == "float32" and dtypes["bias_velocity"] == "float32"
+    config = opt.get_config()
+    assert config["state_dtype"] == "bfloat16" and config["stochastic_rounding"] is None
+    assert "state_dtype" not in qk.QHMuon(learning_rate=0.02).get_config()
+
+
+def test_a_restored_optimizer_continues_bit_for_bit() -> None:
+    settings = {"learning_rate": 0.02, "momentum": 0.9, "nu": 0.7, "state_dtype": "bfloat16"}
+    want = _run(qk.QHMuon(**settings), 6)
+    first = qk.QHMuon(**settings)
+    variables = {k: keras.Variable(v, dtype="float32", name=k) for k, v in _arrays(0).items()}
+
+    def steps(opt: qk.QHMuon, ts: range) -> None:
+        for t in ts:
+            grads = _arrays(100 + t)
+            opt.apply_gradients(
+                [(keras.ops.convert_to_tensor(grads[k]), v) for k, v in variables.items()]
+            )
+
+    steps(first, range(3))
+    store: dict[str, Any] = {}
+    first.save_own_variables(store)
+    resumed = qk.QHMuon.from_config(first.get_config())
+    resumed.build(list(variables.values()))
+    resumed.load_own_variables(store)
+    steps(resumed, range(3, 6))
+    for k, v in variables.items():
+        np.testing.assert_array_equal(np.asarray(keras.ops.convert_to_numpy(v)), want[k])
+
+
+@pytest.mark.parametrize("case", narrow_state_cases(("qhmuon",)), ids=lambda c: c.name)
+def test_bfloat16_slots_follow_float32_slots_on_the_conformance_matrices(case: Any) -> None:
+    problem = get_problem(case.problem_name)
+    hp = {"weight_decay": 0.0, **case.hparams}
+
+    def trajectory(**options: Any) -> np.ndarray:
+        opt = qk.QHMuon(
+            learning_rate=hp["lr"], momentum=hp["momentum"], nu=hp["nu"],
+            weight_decay=hp["weight_decay"], **options,
+        )  # fmt: skip
+        variables = [
+            keras.Variable(a, dtype="float32", name=f"p{i}")
+            for i, a in enumerate(problem.split(problem.x0))
+        ]
+        out = []
+        for t in range(100):
+            x = problem.join([np.asarray(keras.ops.convert_to_numpy(v)) for v in variables])
+            grads = [
+                keras.ops.convert_to_tensor(g, "float32") for g in problem.split(problem.grad(x, t))
+            ]
+            opt.apply_gradients(list(zip(grads, variables, strict=True)))
+            out.append(problem.join([np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]))
+        return np.array(out)
+
+    wide, narrow = trajectory(), trajectory(state_dtype="bfloat16")
+    relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
+    assert relative.max() <= narrow_state_tolerance(case)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"state_dtype": "int8"}, ValueError, "state_dtype must be None or one of bfloat16"),
+        ({"stochastic_rounding": 1}, TypeError, "stochastic_rounding must be None or a bool"),
+    ],
+)
+def test_bad_state_settings_are_named(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        qk.QHMuon(learning_rate=0.02, **kwargs)
+
+
+def test_a_slot_wider_than_its_variable_is_refused() -> None:
+    opt = qk.QHMuon(learning_rate=0.02, state_dtype="float32")
+    with pytest.raises(ValueError, match="wider than a parameter's dtype float16"):
+        opt.build([keras.Variable(np.zeros((3, 2)), dtype="float16", name="w")])

@@ -1,5 +1,5 @@
 """``qhoptim.mlx.QHMuon``: MLX's Muon bit for bit at ``nu = momentum`` and
-``nu = 1``, the float64 reference elsewhere, its state, and bad input."""
+``nu = 1``, the float64 reference elsewhere, its state (also stored narrow), and bad input."""
 
 from __future__ import annotations
 
@@ -113,3 +113,37 @@ def test_from_params_takes_muon_conversions_only() -> None:
     expected = r"QHMuon\.from_params expects qhoptim\.convert\.QHMuonParams"
     with pytest.raises(TypeError, match=expected):
         QHMuon.from_params(convert.from_nesterov(0.1, 0.9), learning_rate=0.1)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ state_dtype
+def test_a_bfloat16_buffer_resumes_bit_for_bit() -> None:
+    whole = QHMuon(0.02, momentum=0.9, nu=0.7, state_dtype=mx.bfloat16)
+    want = _run(whole, _arrays(0), 10)
+    for k in SHAPES:
+        assert whole.state[k]["momentum_buffer"].dtype == mx.bfloat16
+    first = QHMuon(0.02, momentum=0.9, nu=0.7, state_dtype=mx.bfloat16)
+    half = _run(first, _arrays(0), 5)
+    resumed = QHMuon(0.02, momentum=0.9, nu=0.7, state_dtype=mx.bfloat16)
+    resumed.state = tree_map(lambda x: x, first.state)  # a checkpoint: the same arrays
+    got = _run(resumed, half, 5, first=5)
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.array(got[k]), np.array(want[k]))
+
+
+def test_stochastic_rounding_is_the_narrow_buffers_default() -> None:
+    def buffers(**kwargs: Any) -> list[np.ndarray]:
+        opt = QHMuon(0.02, momentum=0.9, nu=0.7, state_dtype=mx.bfloat16, **kwargs)
+        _run(opt, _arrays(0), 5)
+        return [np.array(opt.state[k]["momentum_buffer"].astype(mx.float32)) for k in SHAPES]
+
+    default, nearest = buffers(), buffers(stochastic_rounding=False)
+    for d, s in zip(default, buffers(stochastic_rounding=True), strict=True):
+        np.testing.assert_array_equal(d, s)
+    assert any(not np.array_equal(d, n) for d, n in zip(default, nearest, strict=True))
+
+
+def test_bad_state_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="state_dtype must be None or one of bfloat16"):
+        QHMuon(0.02, state_dtype=mx.int8)
+    with pytest.raises(TypeError, match="stochastic_rounding must be None or a bool"):
+        QHMuon(0.02, state_dtype=mx.bfloat16, stochastic_rounding=1)

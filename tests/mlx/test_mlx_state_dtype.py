@@ -146,7 +146,9 @@ def test_a_state_wider_than_the_parameters_is_refused() -> None:
         opt.init({"x": mx.zeros(3, dtype=mx.float16)})
 
 
-@pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case", narrow_state_cases() + narrow_state_cases(("qhmuon",)), ids=lambda c: c.name
+)
 def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
     problem = get_problem(case.problem_name)
 

@@ -1,6 +1,6 @@
 """``qhoptim.optax.qhmuon``: ``optax.contrib.muon`` at ``nu = beta`` and
 ``nu = 1`` (to its rounding), the float64 reference elsewhere, AdamW for what
-is not a matrix, its state, and bad input."""
+is not a matrix, its state (also stored narrow), and bad input."""
 
 from __future__ import annotations
 
@@ -172,3 +172,48 @@ def test_optax_lion_is_sign_qhm(b1: float, b2: float) -> None:
             # Each step is -lr * sign(QHM's direction), coordinate for coordinate.
             want = np.float32(-settings.lr) * np.sign(direction).astype(np.float32)
             np.testing.assert_array_equal(np.asarray(updates[k]), want)
+
+
+# ------------------------------------------------------------------ state_dtype
+def test_a_bfloat16_buffer_resumes_bit_for_bit() -> None:
+    tx = qho.qhmuon(0.02, beta=0.9, nu=0.7, state_dtype=jnp.bfloat16)
+    whole, state = _run(tx, _tree(0), 10)
+    muon_state = state.inner_states["qhmuon"].inner_state[0]
+    assert isinstance(muon_state, qho.ScaleByQHMuonState) and int(muon_state.count) == 10
+    for k in MATRICES:
+        assert muon_state.momentum_buffer[k].dtype == jnp.bfloat16
+    half, state = _run(tx, _tree(0), 5)
+    saved = jax.tree.map(np.asarray, state)
+    resumed, _ = _run(tx, half, 5, first=5, state=jax.tree.map(jnp.asarray, saved))
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.asarray(resumed[k]), np.asarray(whole[k]))
+
+
+def test_stochastic_rounding_is_the_narrow_buffers_default() -> None:
+    # The same 5 steps stored to nearest end elsewhere: the default rounds stochastically.
+    def buffers(**kwargs: Any) -> list[np.ndarray]:
+        tx = qho.scale_by_qhmuon(beta=0.9, nu=0.7, state_dtype=jnp.bfloat16, **kwargs)
+        params = {k: v for k, v in _tree(0).items() if k in MATRICES}
+        state = tx.init(params)
+        for t in range(5):
+            grads = {k: v for k, v in _tree(100 + t).items() if k in MATRICES}
+            _, state = jax.jit(tx.update)(grads, state)
+        return [np.asarray(state.momentum_buffer[k], np.float32) for k in MATRICES]
+
+    default, stochastic = buffers(), buffers(stochastic_rounding=True)
+    nearest = buffers(stochastic_rounding=False)
+    for d, s in zip(default, stochastic, strict=True):
+        np.testing.assert_array_equal(d, s)
+    assert any(not np.array_equal(d, n) for d, n in zip(default, nearest, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"state_dtype": jnp.bfloat16, "mu_dtype": jnp.bfloat16}, "give one"),
+        ({"state_dtype": "int8"}, "state_dtype must be None or one of bfloat16"),
+    ],
+)
+def test_bad_state_settings_are_named(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        qho.scale_by_qhmuon(**kwargs)

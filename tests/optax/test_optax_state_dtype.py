@@ -163,7 +163,9 @@ def test_the_plain_state_is_refused_where_the_counted_one_is_needed() -> None:
         qho.scale_by_qhm(state_dtype=BF16).update(_grads(params, 0), plain_state)
 
 
-@pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case", narrow_state_cases() + narrow_state_cases(("qhmuon",)), ids=lambda c: c.name
+)
 def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
     problem = get_problem(case.problem_name)
 
