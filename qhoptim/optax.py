@@ -911,7 +911,8 @@ def _scale_by_muon_shape(consistent_rms: float | None) -> optax.GradientTransfor
 
         return jax.tree.map(scaled, updates), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    # optax.EmptyState() rather than optax.init_empty_state, which optax 0.2.5 lacks.
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def qhmuon(

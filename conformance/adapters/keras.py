@@ -23,7 +23,8 @@ QHMuon runs in float32 only, as Keras's Muon does (its shape scaling is a
 float32 tensor, which TensorFlow refuses beside a float64 variable, and Keras on
 torch multiplies float64 matrices in float32), with Keras's Muon's own scale
 (``rms_rate=0.2``, :func:`qhoptim.rules.muon_lr_ratio`'s ``"match_rms_adamw"``):
-cases that ask for another scale are not Keras's.
+cases that ask for another scale are not Keras's; nor are any with a Keras older
+than 3.13, whose Muon QHMuon cannot build on.
 
 float64 runs on JAX need ``jax_enable_x64``; it is switched on when this adapter
 is loaded with the JAX backend (the conformance process owns its JAX configuration).
@@ -137,7 +138,11 @@ class KerasAdapter:
     def supports(self, case: Case, dtype: str) -> bool:
         if case.optimizer == "qhmuon":
             adjust = case.hparams.get("adjust_lr_fn")
-            return dtype == "float32" and adjust in (None, QHMUON_REFERENCE_OPTIONS["adjust_lr_fn"])
+            return (
+                dtype == "float32"
+                and adjust in (None, QHMUON_REFERENCE_OPTIONS["adjust_lr_fn"])
+                and qk._qhmuon._muon_keeps_a_slot_per_index()
+            )
         return dtype in ("float32", "float64")
 
     def reference_options(self, case: Case) -> dict[str, Any]:
