@@ -5,6 +5,7 @@ Usage::
     python -m benchmarks.muon_step --framework torch [--steps 30] [--warmup 5] [--device cuda]
     python -m benchmarks.muon_step --framework optax
     python -m benchmarks.muon_step --framework mlx
+    KERAS_BACKEND=jax python -m benchmarks.muon_step --framework keras
 
 The matrices of a small transformer (four blocks of width 128: attention's
 four 128 x 128 projections and the MLP's 512 x 128 and 128 x 512, in the
@@ -133,7 +134,57 @@ def mlx_steps() -> dict[str, Callable[[], None]]:
     }
 
 
-FRAMEWORKS = {"torch": torch_steps, "optax": optax_steps, "mlx": mlx_steps}
+def keras_steps() -> dict[str, Callable[[], None]]:
+    """Keras on its active backend, each step the way ``model.fit`` applies one:
+    ``stateless_apply`` under ``jax.jit``, ``apply`` in a ``tf.function``, or
+    ``apply`` eagerly under ``torch.no_grad()``."""
+    import keras
+    import numpy as np
+
+    import qhoptim.keras as qk
+
+    rng = np.random.default_rng(0)
+    # Keras's layout is (fan_in, fan_out).
+    values = [
+        rng.standard_normal((fan_in, fan_out)).astype("float32") for fan_out, fan_in in SHAPES
+    ]
+    grads = [keras.ops.convert_to_tensor(np.cos(v)) for v in values]
+    backend = keras.backend.backend()
+
+    def stepper(opt: keras.optimizers.Optimizer) -> Callable[[], None]:
+        variables = [keras.Variable(v, name=f"w{i}") for i, v in enumerate(values)]
+        opt.build(variables)
+        if backend == "jax":
+            import jax
+
+            apply = jax.jit(opt.stateless_apply)
+            state = [[v.value for v in opt.variables], [v.value for v in variables]]
+
+            def run() -> None:
+                state[1], state[0] = apply(state[0], grads, state[1])
+                jax.block_until_ready(state[1])
+
+            return run
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            # The variables are captured, not arguments (tf.function would trace them).
+            return tf.function(lambda: opt.apply(grads, variables), jit_compile=False)
+        import torch
+
+        def eager() -> None:
+            with torch.no_grad():
+                opt.apply(grads, variables)
+
+        return eager
+
+    return {
+        "Muon": stepper(keras.optimizers.Muon(0.02)),
+        "QHMuon": stepper(qk.QHMuon(0.02, momentum=0.999, nu=0.7)),
+    }
+
+
+FRAMEWORKS = {"torch": torch_steps, "optax": optax_steps, "mlx": mlx_steps, "keras": keras_steps}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,8 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     steps = torch_steps(args.device) if args.framework == "torch" else FRAMEWORKS[args.framework]()
     medians = _interleaved(steps, args.steps, args.warmup)
     values = sum(a * b for a, b in SHAPES)
+    label = args.framework
+    if args.framework == "keras":
+        import keras
+
+        label = f"keras ({keras.backend.backend()} backend)"
     print(
-        f"### {args.framework}: {len(SHAPES)} matrices ({values:,} values), median of "
+        f"### {label}: {len(SHAPES)} matrices ({values:,} values), median of "
         f"{args.steps} interleaved steps after {args.warmup}; {args.device}, {platform.machine()}, "
         f"{platform.system()}"
     )
