@@ -211,3 +211,29 @@ def test_a_slot_wider_than_its_variable_is_refused() -> None:
     opt = qk.QHMuon(learning_rate=0.02, state_dtype="float32")
     with pytest.raises(ValueError, match="wider than a parameter's dtype float16"):
         opt.build([keras.Variable(np.zeros((3, 2)), dtype="float16", name="w")])
+
+
+# ------------------------------------------------------------------------ Lion
+@pytest.mark.parametrize(("b1", "b2"), [(0.9, 0.99), (0.95, 0.98)])
+def test_keras_lion_is_sign_qhm(b1: float, b2: float) -> None:
+    # convert.from_lion's claim, against keras.optimizers.Lion itself: QHM's
+    # buffer and direction from the rules (in float64), the sign of the
+    # direction taken; each step of Lion is -lr times that sign.
+    from qhoptim import rules
+
+    settings = convert.from_lion(2.0**-10, (b1, b2))
+    lion = keras.optimizers.Lion(learning_rate=2.0**-10, beta_1=b1, beta_2=b2)
+    variables = {k: keras.Variable(v, name=k) for k, v in _arrays(0).items()}
+    buffers = {k: np.zeros(s) for k, s in SHAPES.items()}
+    for t in range(30):
+        grads = _arrays(100 + t)
+        before = {k: np.asarray(keras.ops.convert_to_numpy(v)) for k, v in variables.items()}
+        lion.apply_gradients(
+            [(keras.ops.convert_to_tensor(grads[k]), v) for k, v in variables.items()]
+        )
+        for k, v in variables.items():
+            buffers[k], direction = rules.qhm_update(
+                grads[k].astype(np.float64), buffers[k], momentum=settings.momentum, nu=settings.nu
+            )
+            want = before[k] - np.float32(settings.lr) * np.sign(direction).astype(np.float32)
+            np.testing.assert_array_equal(np.asarray(keras.ops.convert_to_numpy(v)), want)
