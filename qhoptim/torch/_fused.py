@@ -33,8 +33,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from qhoptim import rules
-from qhoptim.torch import _kernels, _tensors
+from qhoptim import rounding, rules
+from qhoptim.torch import _kernels, _state_dtype, _tensors
 from qhoptim.torch._extension import cpu_extension, cpu_kernel_available
 from qhoptim.torch._tensors import (
     group_by_device_and_dtype,
@@ -209,8 +209,8 @@ def fused_qhm(
     """One fused QHM step (coefficients of :func:`qhoptim.rules.qhm_coefficients`).
 
     ``state_seeds`` (CPU, float32 parameters): the momentum buffers are
-    bfloat16, rounded stochastically with these seeds (``[seed]`` per tensor,
-    :mod:`qhoptim.torch._state_dtype`).
+    bfloat16 or 8-bit, rounded stochastically with these seeds (``[seed]`` per
+    tensor, :mod:`qhoptim.torch._state_dtype`).
     """
     if not params:  # nothing to step (torch's grouping refuses empty lists)
         return
@@ -227,10 +227,7 @@ def fused_qhm(
             lr = float(hp.lr)
             coupled, decay = _decay(hp, lr)
             buffer_value, grad_value = rules.fold_qhm(c, lr)
-            cpu_extension().qhm_(
-                ps,
-                gs,
-                bufs,
+            numbers = (
                 _grad_multiplier(hp, grad_scale),
                 coupled,
                 decay,
@@ -239,9 +236,28 @@ def fused_qhm(
                 grad_value,
                 seeds,
             )
+            if _eight_bit(bufs):
+                cpu_extension().qhm8_(ps, gs, bufs, *numbers, *_ladders(signed=(True,)))
+            else:
+                cpu_extension().qhm_(ps, gs, bufs, *numbers)
 
 
 _NO_SEEDS = torch.empty(0, dtype=torch.int64)
+
+
+def _eight_bit(states: list[Tensor]) -> bool:
+    """Whether a state list is 8-bit (:func:`qhoptim.torch._state_dtype.eight_bit`)."""
+    return bool(states) and _state_dtype.eight_bit(states[0].dtype)
+
+
+def _ladders(signed: tuple[bool, ...]) -> tuple[Any, ...]:
+    """The 8-bit kernels' ladder arguments: the level tables (``signed``) and
+    the levels per octave, :mod:`qhoptim.rounding`'s."""
+    cpu = torch.device("cpu")
+    return (
+        *(_state_dtype.eight_bit_levels(s, cpu) for s in signed),
+        rounding.EIGHT_BIT_PER_OCTAVE,
+    )
 
 
 def _seed_table(
@@ -379,7 +395,7 @@ def _qhadam_numbers_(
     else:
         coefficients = torch.tensor([folds[t] for t in steps], dtype=torch.float64)
     coefficients = coefficients.contiguous()
-    cpu_extension().qhadam_(
+    arguments = (
         ps,
         gs,
         ms,
@@ -395,3 +411,7 @@ def _qhadam_numbers_(
         w.grad_sq_to_exp_avg_sq,
         seeds,
     )
+    if _eight_bit(ms):  # the first moment signed, the second (and its maximum) not
+        cpu_extension().qhadam8_(*arguments, *_ladders(signed=(True, False)))
+    else:
+        cpu_extension().qhadam_(*arguments)

@@ -42,6 +42,7 @@ __all__ = [
     "STATE_DTYPES",
     "check_state_dtype",
     "converted",
+    "eight_bit_levels",
     "hash32",
     "in_fused_kernel",
     "narrow",
@@ -108,11 +109,11 @@ def in_fused_kernel(
     params: Sequence[Tensor],
 ) -> bool:
     """Whether the fused CPU kernel steps these parameters' narrow state itself:
-    ``fused``, float32 CPU parameters that the C++ kernel takes, bfloat16
-    state, stochastic rounding."""
+    ``fused``, float32 CPU parameters that the C++ kernel takes, bfloat16 or
+    8-bit state, stochastic rounding."""
     return (
         fused
-        and state_dtype == torch.bfloat16
+        and state_dtype in (torch.bfloat16, torch.uint8)
         and stochastic_rounding is not False
         and not runs_triton(torch.device("cpu"))
         and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
@@ -237,13 +238,14 @@ class _Packed:
 
 
 @functools.cache
-def _levels(signed: bool, device: torch.device) -> Tensor:
+def eight_bit_levels(signed: bool, device: torch.device) -> Tensor:
+    """:func:`qhoptim.rounding.eight_bit_levels` as a float32 tensor on ``device``."""
     return torch.tensor(rounding.eight_bit_levels(signed), dtype=torch.float32, device=device)
 
 
 def dequantize_(out: Tensor, stored: _Packed, signed: bool) -> None:
     """``out`` (flat, float) <- the values ``stored`` stands for."""
-    levels = _levels(signed, out.device)
+    levels = eight_bit_levels(signed, out.device)
     kernel = _cpu_kernel() if out.device.type == "cpu" and out.dtype == torch.float32 else None
     if kernel is not None and out.is_contiguous():  # one pass, in C++
         kernel.dequantize8_(out.view(-1), stored.codes, stored.scales, levels, signed)
@@ -273,7 +275,7 @@ def quantize_(
     n = x.numel()
     kernel = _cpu_kernel() if x.device.type == "cpu" else None
     if kernel is not None:  # one pass, in C++ (the same arithmetic)
-        levels = _levels(signed, x.device)
+        levels = eight_bit_levels(signed, x.device)
         kernel.quantize8_(
             stored.codes,
             stored.scales,
@@ -294,7 +296,7 @@ def quantize_(
     stored.scales.copy_(scale)
     ratio = magnitudes / scale.repeat_interleave(BLOCK)[:n]
     ratio = torch.nan_to_num(ratio, nan=0.0)  # 0/0 in an all-zero block
-    levels = _levels(signed, x.device)
+    levels = eight_bit_levels(signed, x.device)
     low = (torch.bucketize(ratio, levels, right=True) - 1).clamp_(0, levels.numel() - 2)
     below, above = levels[low], levels[low + 1]
     up = (ratio - below) / (above - below)

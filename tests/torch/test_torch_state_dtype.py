@@ -363,7 +363,8 @@ def test_the_8_bit_kernel_and_torch_operations_encode_the_same_bytes(
 ) -> None:
     # On CPU the C++ extension encodes and decodes an 8-bit state; elsewhere
     # torch operations do, with the same arithmetic: the same bytes and values,
-    # for blocks of zeros, non-finite values, a partial last block and a slice's offset.
+    # for blocks of zeros, non-finite values, subnormals, a partial last block
+    # and a slice's offset.
     n = 5 * 256 + 77
     x = torch.randn(n, generator=torch.Generator().manual_seed(9))
     x = x.abs() if not signed else x
@@ -372,6 +373,7 @@ def test_the_8_bit_kernel_and_torch_operations_encode_the_same_bytes(
     x[610] = float("inf")
     x[620] = -float("inf") if signed else float("inf")
     x[700:720] *= 1e-12
+    x[730] = 1e-40  # a subnormal ratio to its block's scale
     results = []
     for kernel in (True, False):
         with monkeypatch.context() as patch:
@@ -469,3 +471,43 @@ def test_decoded_state_of_a_tensor_the_optimizer_does_not_hold_is_a_key_error() 
     opt = QHM(_params(), lr=0.1)
     with pytest.raises(KeyError, match="not a parameter of this optimizer"):
         opt.decoded_state(torch.zeros(3))
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_the_fused_8_bit_kernel_steps_as_the_working_copies_do(
+    cls: type, kwargs: dict[str, Any], monkeypatch: Any
+) -> None:
+    # fused=True steps an 8-bit state in one pass, block by block: the bytes of
+    # decoding the whole state, stepping it with the float32 kernel and
+    # encoding it back, which the other paths do on working copies.
+    shapes = [(64, 33), (300,), (1,), (2, 256)]  # blocks whole, partial, single
+
+    def run(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = cls(params, **kwargs, fused=True, state_dtype=U8)
+        for t in range(6):
+            for p, g in zip(params, _grads(params, t), strict=True):
+                p.grad = g
+            if t == 3:
+                p.grad[0] = float("nan")  # a non-finite value keeps its own code
+            opt.step()
+        return opt
+
+    def fresh() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(5)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+    def working_copies_refused(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the fused kernel should step this state")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_state_dtype, "step_with_narrow_state", working_copies_refused)
+        fused_params = fresh()
+        fused = run(fused_params)
+    monkeypatch.setattr(_state_dtype, "in_fused_kernel", lambda *args: False)
+    copied_params = fresh()
+    copied = run(copied_params)
+    for p, q in zip(fused_params, copied_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
+        for k in STATE_KEYS:
+            if k in fused.state[p]:
+                assert torch.equal(fused.state[p][k], copied.state[q][k]), k

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -427,65 +428,158 @@ void check_eight_bit(const at::Tensor& codes, const at::Tensor& scales, const at
               "qhoptim 8-bit state: uint8 codes, float32 scales and values on the CPU");
 }
 
+namespace {
+
+// The levels of an 8-bit state and how to find them: `lv` ascending, `nl` of
+// them, `per_octave` levels per halving (qhoptim.rounding.EIGHT_BIT_PER_OCTAVE).
+struct Ladder {
+  const float* lv;
+  int nl;
+  int per_octave;
+};
+
+// One block's 8-bit arithmetic, written for the compiler to vectorize (with
+// AVX2, 8 values at a time, the table read by gathers): 32-bit integers, no
+// branch, and each choice as arithmetic or a mask where a select would put a
+// table's load on one side of a branch and keep the loop scalar. Blocks hold
+// at most kBlock values.
+
+// A block's scale: its largest finite magnitude, found on the magnitudes' bit
+// patterns (ordered as the magnitudes are), where a float maximum that skips
+// NaNs would not vectorize. A NaN or an infinity counts as 0: it takes its own
+// code and leaves the others' scale alone.
+inline float block_scale(const float* __restrict__ x, int len) {
+  int32_t largest = 0;
+  for (int i = 0; i < len; ++i) {
+    int32_t bits;
+    std::memcpy(&bits, &x[i], sizeof(bits));
+    bits &= 0x7FFFFFFF;
+    largest = std::max(largest, bits < 0x7F800000 ? bits : 0);
+  }
+  float scale;
+  std::memcpy(&scale, &largest, sizeof(scale));
+  return scale;
+}
+
+// Decode `len` codes of a block of `scale` into `x`.
+template <bool SIGNED>
+inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
+                          float scale, const float* __restrict__ lv) {
+  for (int i = 0; i < len; ++i) {
+    const int code = c[i];
+    if constexpr (SIGNED) {
+      const float value = lv[code & 127] * scale;
+      const float signed_value = code > 128 ? -value : value;
+      x[i] = code == kSignedNonFinite ? std::numeric_limits<float>::quiet_NaN() : signed_value;
+    } else {
+      // + inf rather than a select of it (see above); the level's value is finite.
+      const float infinite =
+          code == kUnsignedInfinite ? std::numeric_limits<float>::infinity() : 0.0f;
+      x[i] = lv[code] * scale + infinite;
+    }
+  }
+}
+
+// Encode `len` values `x` of a block of `scale` (the values `first ..` of their
+// tensor, the noise's counter) into `c`.
+template <bool SIGNED, bool STOCHASTIC, bool FOLD>
+inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, int64_t first,
+                          int len, float scale, const Ladder ladder, uint32_t s) {
+  const float* __restrict__ lv = ladder.lv;
+  const int nl = ladder.nl, per_octave = ladder.per_octave;
+  for (int i = 0; i < len; ++i) {
+    const float magnitude = std::fabs(x[i]);
+    const bool finite = magnitude <= std::numeric_limits<float>::max();
+    float ratio = magnitude / scale;
+    ratio = ratio != ratio ? 0.0f : ratio;  // 0/0 in an all-zero block
+    // The last level <= ratio (the table decides): a first guess of
+    // per_octave * log2(ratio) from the float's exponent and the top of its
+    // mantissa (within a level of the truth), then a step along the table,
+    // in place of a binary search per value. The guess is at most one level
+    // below (log2(1 + f) >= f), or one above where a level's float32 rounding
+    // lies past the ratio: one step each way.
+    int32_t bits;
+    std::memcpy(&bits, &ratio, sizeof(bits));
+    int low = nl - 1 + per_octave * ((bits >> 23) - 127) + (((bits & 0x7FFFFF) * per_octave) >> 23);
+    low = std::min(std::max(low, 1), nl - 2);
+    low -= lv[low] > ratio ? 1 : 0;
+    low += lv[low + 1] <= ratio ? 1 : 0;
+    low = std::min(low, nl - 2);
+    const float below = lv[low], above = lv[low + 1];
+    const float up = (ratio - below) / (above - below);
+    float threshold = 0.5f;
+    if constexpr (STOCHASTIC) {
+      threshold = static_cast<float>(hash32(s, position_of<FOLD>(first, i)) & 0xFFFFu) / 65536.0f;
+    }
+    int code = low + (up > threshold ? 1 : 0);
+    if constexpr (SIGNED) {
+      const int negative = x[i] < 0.0f;
+      const int nonzero = code > 0;
+      code += 128 * (negative & nonzero);  // no -0: 128 is non-finite's
+      const int keep = -static_cast<int>(finite);
+      code = (code & keep) | (kSignedNonFinite & ~keep);
+    } else {
+      // A positive second moment is never stored as 0 (nor as the code of inf).
+      const int positive = bits > 0;  // ratio > 0, on its bits
+      code = std::max(code, (kUnsignedInfinite + 1) * positive);
+      const int keep = -static_cast<int>(finite);
+      code = (code & keep) | (kUnsignedInfinite & ~keep);
+    }
+    c[i] = static_cast<uint8_t>(code);
+  }
+}
+
+inline void decode_block(float* x, const uint8_t* c, int64_t len, float scale, const float* lv,
+                         bool is_signed) {
+  const int n = static_cast<int>(len);
+  is_signed ? decode_values<true>(x, c, n, scale, lv) : decode_values<false>(x, c, n, scale, lv);
+}
+
+// Encode one block of `len` values `x` (the values `first ..` of their tensor)
+// into `codes` and `*scale_out`.
+inline void encode_block(uint8_t* c, float* scale_out, const float* x, int64_t first, int64_t len,
+                         const Ladder& ladder, bool is_signed, uint32_t s, bool stochastic) {
+  const int n = static_cast<int>(len);
+  const float scale = block_scale(x, n);
+  *scale_out = scale;
+  auto encode = [&](auto signed_tag, auto stochastic_tag, auto fold_tag) {
+    encode_values<decltype(signed_tag)::value, decltype(stochastic_tag)::value,
+                  decltype(fold_tag)::value>(c, x, first, n, scale, ladder, s);
+  };
+  auto with_fold = [&](auto signed_tag, auto stochastic_tag) {
+    needs_fold(first, len) ? encode(signed_tag, stochastic_tag, std::true_type{})
+                           : encode(signed_tag, stochastic_tag, std::false_type{});
+  };
+  auto with_rounding = [&](auto signed_tag) {
+    stochastic ? with_fold(signed_tag, std::true_type{}) : with_fold(signed_tag, std::false_type{});
+  };
+  is_signed ? with_rounding(std::true_type{}) : with_rounding(std::false_type{});
+}
+
+Ladder ladder_of(const at::Tensor& levels, int64_t per_octave) {
+  TORCH_CHECK(levels.scalar_type() == at::kFloat && levels.is_contiguous() &&
+                  levels.numel() >= 2 && levels.device().is_cpu(),
+              "qhoptim fused: 8-bit levels must be a float32 CPU tensor");
+  // 256 levels at most (a byte's codes), and a guess whose products fit 32 bits.
+  TORCH_CHECK(levels.numel() <= 256 && per_octave >= 1 && per_octave <= 255,
+              "qhoptim fused: at most 256 levels, 1 to 255 per octave");
+  return {levels.data_ptr<float>(), static_cast<int>(levels.numel()),
+          static_cast<int>(per_octave)};
+}
+
 void quantize8_(at::Tensor codes, at::Tensor scales, at::Tensor values, at::Tensor levels,
                 bool is_signed, int64_t seed, bool stochastic, int64_t start, int64_t per_octave) {
   check_eight_bit(codes, scales, values, levels);
   uint8_t* c = codes.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
   const float* x = values.data_ptr<float>();
-  const float* lv = levels.data_ptr<float>();
-  const int64_t nl = levels.numel(), n = values.numel();
+  const Ladder ladder = ladder_of(levels, per_octave);
+  const int64_t n = values.numel();
   const auto s = static_cast<uint32_t>(seed);
   at::parallel_for(0, scales.numel(), 64, [=](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
-      // The block's scale: its largest finite magnitude. A NaN or an infinity
-      // takes its own code (below) and leaves the others' scale alone.
-      float scale = 0.0f;
-      for (int64_t i = lo; i < hi; ++i) {
-        const float a = std::fabs(x[i]);
-        scale = a <= std::numeric_limits<float>::max() ? std::max(scale, a) : scale;
-      }
-      sc[b] = scale;
-      const bool fold = needs_fold(start + lo, hi - lo);
-      for (int64_t i = lo; i < hi; ++i) {
-        if (!(std::fabs(x[i]) <= std::numeric_limits<float>::max())) {  // NaN, inf
-          c[i] = static_cast<uint8_t>(is_signed ? kSignedNonFinite : kUnsignedInfinite);
-          continue;
-        }
-        float ratio = std::fabs(x[i]) / scale;
-        if (ratio != ratio) {
-          ratio = 0.0f;  // 0/0 in an all-zero block
-        }
-        // The last level <= ratio (the table decides): a first guess of
-        // per_octave * log2(ratio) from the float's exponent and the top of its
-        // mantissa (within a level of the truth), then a step along the table,
-        // in place of a binary search per value.
-        uint32_t bits;
-        std::memcpy(&bits, &ratio, sizeof(bits));
-        const int64_t octave = static_cast<int64_t>(bits >> 23) - 127;
-        const int64_t eighths = (static_cast<int64_t>(bits & 0x7FFFFFu) * per_octave) >> 23;
-        // The guess is at most one level below (log2(1 + f) >= f), or one
-        // above where a level's float32 rounding lies past the ratio: one step
-        // each way, without branches.
-        int64_t low = nl - 1 + per_octave * octave + eighths;
-        low = std::min<int64_t>(std::max<int64_t>(low, 1), nl - 2);
-        low -= lv[low] > ratio ? 1 : 0;
-        low += lv[low + 1] <= ratio ? 1 : 0;
-        low = std::min<int64_t>(low, nl - 2);
-        const float up = (ratio - lv[low]) / (lv[low + 1] - lv[low]);
-        const uint32_t at = fold ? position_of<true>(start, i) : position_of<false>(start, i);
-        const float threshold =
-            stochastic ? static_cast<float>(hash32(s, at) & 0xFFFFu) / 65536.0f : 0.5f;
-        int64_t code = low + (up > threshold ? 1 : 0);
-        if (is_signed) {
-          code += (x[i] < 0.0f && code > 0) ? 128 : 0;  // no -0: 128 is non-finite's
-        } else if (code <= kUnsignedInfinite && ratio > 0.0f) {
-          // A positive second moment is never stored as 0 (nor as the code of inf).
-          code = kUnsignedInfinite + 1;
-        }
-        c[i] = static_cast<uint8_t>(code);
-      }
+      const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
+      encode_block(c + lo, sc + b, x + lo, start + lo, len, ladder, is_signed, s, stochastic);
     }
   });
 }
@@ -500,18 +594,182 @@ void dequantize8_(at::Tensor values, at::Tensor codes, at::Tensor scales, at::Te
   const int64_t n = values.numel();
   at::parallel_for(0, scales.numel(), 64, [=](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float scale = sc[b];
-      for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) {
-        const int code = c[i];
-        const float value = lv[is_signed ? (code & 127) : code] * scale;
-        if (is_signed) {
-          x[i] = code == kSignedNonFinite ? NAN : (code > 128 ? -value : value);
-        } else {
-          x[i] = code == kUnsignedInfinite ? INFINITY : value;
-        }
+      const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
+      decode_block(x + lo, c + lo, len, sc[b], lv, is_signed);
+    }
+  });
+}
+
+// An 8-bit state of a tensor of n values as the packed uint8 tensor holds it
+// (qhoptim.torch._state_dtype._Packed): the blocks' float32 scales, then the codes.
+struct Packed8 {
+  float* scales;
+  uint8_t* codes;
+};
+
+Packed8 packed8(at::Tensor& packed, int64_t n) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == 4 * blocks + n && packed.device().is_cpu(),
+              "qhoptim fused: an 8-bit state must be the packed uint8 tensor of its parameter");
+  uint8_t* base = packed.data_ptr<uint8_t>();
+  TORCH_CHECK(reinterpret_cast<std::uintptr_t>(base) % alignof(float) == 0,
+              "qhoptim fused: an 8-bit state's scales must be aligned");
+  return {reinterpret_cast<float*>(base), base + 4 * blocks};
+}
+
+// One step of float32 parameters whose states are 8-bit, block by block: each
+// block's states decoded (decode_block), stepped by `step(lo, len, locals)`
+// -- the float32 kernel's chunk over the block, on the decoded values -- and
+// encoded back (encode_block) with the state's seed. The same numbers as
+// decoding the whole tensor, stepping it and encoding it (the working-copy
+// path), in one pass over memory.
+template <int K, typename Step>
+void eight_bit_blocks(at::Tensor& param, std::array<at::Tensor*, K> states,
+                      std::array<bool, K> is_signed, std::array<uint32_t, K> seeds,
+                      const Ladder& signed_ladder, const Ladder& unsigned_ladder, Step step) {
+  const int64_t n = param.numel();
+  std::array<Packed8, K> packed;
+  for (int k = 0; k < K; ++k) {
+    packed[k] = packed8(*states[k], n);
+  }
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    alignas(64) float local[K][kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
+      for (int k = 0; k < K; ++k) {
+        const Ladder& ladder = is_signed[k] ? signed_ladder : unsigned_ladder;
+        decode_block(local[k], packed[k].codes + lo, len, packed[k].scales[b], ladder.lv,
+                     is_signed[k]);
+      }
+      step(lo, len, local);
+      for (int k = 0; k < K; ++k) {
+        const Ladder& ladder = is_signed[k] ? signed_ladder : unsigned_ladder;
+        encode_block(packed[k].codes + lo, packed[k].scales + b, local[k], lo, len, ladder,
+                     is_signed[k], seeds[k], true);
       }
     }
   });
+}
+
+
+void check_float32_params(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                          const std::vector<std::vector<at::Tensor>>& states) {
+  TORCH_CHECK(grads.size() == params.size(), "qhoptim fused: tensor lists differ in length");
+  for (const auto& list : states) {
+    TORCH_CHECK(list.size() == params.size(), "qhoptim fused: tensor lists differ in length");
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].scalar_type() == at::kFloat && params[i].is_contiguous() &&
+                    params[i].device().is_cpu(),
+                "qhoptim fused: an 8-bit state is for contiguous float32 CPU parameters");
+    TORCH_CHECK(grads[i].is_contiguous() && grads[i].numel() == params[i].numel() &&
+                    grads[i].scalar_type() == at::kFloat,
+                "qhoptim fused: gradients must match their parameter");
+  }
+}
+
+}  // namespace
+
+// QHM's step (qhm_'s arguments) with 8-bit momentum buffers: `seeds` int64
+// [n, 3] (the first of each row is the buffer's), `levels_signed` the signed
+// ladder (qhoptim.rounding.eight_bit_levels(True)). Stochastic rounding.
+void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+           std::vector<at::Tensor> momentum_buffers, double grad_multiplier,
+           double coupled_weight_decay, double decay_factor, double grad_to_buffer,
+           double buffer_value, double grad_value, at::Tensor seeds, at::Tensor levels_signed,
+           int64_t per_octave) {
+  check_float32_params(params, grads, {momentum_buffers});
+  const std::vector<uint32_t> seed = seed_table(seeds, params.size());
+  const Ladder ladder = ladder_of(levels_signed, per_octave);
+  const float gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
+              w = grad_to_buffer, bv = buffer_value, gv = grad_value;
+  const bool low = w < 0.5f;
+  const bool coupled = wd != 0.0f;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor grad = readable_grad(params[i], grads[i]);
+    float* p = params[i].data_ptr<float>();
+    const float* g = grad.data_ptr<float>();
+    with_flags(coupled, low, [&](auto coupled_tag, auto low_tag) {
+      eight_bit_blocks<1>(
+          params[i], {&momentum_buffers[i]}, {true}, {seed[3 * i]}, ladder, ladder,
+          [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
+            qhm_chunk<float, float, false, float, false, decltype(low_tag)::value,
+                      decltype(coupled_tag)::value>(p + lo, g + lo, local[0], lo, len, gm, wd, df,
+                                                    w, bv, gv, 0);
+          });
+    });
+  }
+}
+
+// QHAdam's step (qhadam_'s arguments) with 8-bit moments: the first moment
+// (and no other) signed; `levels_signed`, `levels_unsigned` the two ladders.
+void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+              std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+              std::vector<at::Tensor> max_exp_avg_sqs, at::Tensor coefficients, int64_t form,
+              double grad_multiplier, double coupled_weight_decay, double decay_factor,
+              double exp_avg_lerp, double beta2, double one_minus_beta2, at::Tensor seeds,
+              at::Tensor levels_signed, at::Tensor levels_unsigned, int64_t per_octave) {
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+  if (amsgrad) {
+    check_float32_params(params, grads, {exp_avgs, exp_avg_sqs, max_exp_avg_sqs});
+  } else {
+    check_float32_params(params, grads, {exp_avgs, exp_avg_sqs});
+  }
+  TORCH_CHECK(coefficients.scalar_type() == at::kDouble && coefficients.is_contiguous() &&
+                  coefficients.numel() == static_cast<int64_t>(params.size()) * 5,
+              "qhoptim fused: coefficients must be a contiguous float64 tensor [n, 5]");
+  TORCH_CHECK(form >= 0 && form <= 2, "qhoptim fused: unknown denominator form");
+  const double* c = coefficients.data_ptr<double>();
+  const std::vector<uint32_t> seed = seed_table(seeds, params.size());
+  const Ladder signed_ladder = ladder_of(levels_signed, per_octave);
+  const Ladder unsigned_ladder = ladder_of(levels_unsigned, per_octave);
+  const float gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
+              w1 = exp_avg_lerp, b2 = beta2, w2 = one_minus_beta2;
+  const bool low = w1 < 0.5f;
+  const bool coupled = wd != 0.0f;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor grad = readable_grad(params[i], grads[i]);
+    float* p = params[i].data_ptr<float>();
+    const float* g = grad.data_ptr<float>();
+    // FoldedQHAdam: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value
+    const float sw = c[5 * i], gw = c[5 * i + 1], eps = c[5 * i + 2], mv = c[5 * i + 3],
+                gv = c[5 * i + 4];
+    const uint32_t no_seeds[3] = {0, 0, 0};
+    auto with_form = [&](auto form_tag) {
+      constexpr int kForm = decltype(form_tag)::value;
+      with_flags(coupled, low, [&](auto coupled_tag, auto low_tag) {
+        constexpr bool kLow = decltype(low_tag)::value, kCoupled = decltype(coupled_tag)::value;
+        if (amsgrad) {
+          eight_bit_blocks<3>(
+              params[i], {&exp_avgs[i], &exp_avg_sqs[i], &max_exp_avg_sqs[i]},
+              {true, false, false}, {seed[3 * i], seed[3 * i + 1], seed[3 * i + 2]},
+              signed_ladder, unsigned_ladder, [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
+                qhadam_chunk<float, float, false, float, kForm, true, false, kLow, kCoupled>(
+                    p + lo, g + lo, local[0], local[1], local[2], lo, len, gm, wd, df, w1, b2,
+                    w2, sw, gw, eps, mv, gv, no_seeds);
+              });
+        } else {
+          eight_bit_blocks<2>(
+              params[i], {&exp_avgs[i], &exp_avg_sqs[i]}, {true, false},
+              {seed[3 * i], seed[3 * i + 1]}, signed_ladder, unsigned_ladder,
+              [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
+                qhadam_chunk<float, float, false, float, kForm, false, false, kLow, kCoupled>(
+                    p + lo, g + lo, local[0], local[1], nullptr, lo, len, gm, wd, df, w1, b2, w2,
+                    sw, gw, eps, mv, gv, no_seeds);
+              });
+        }
+      });
+    };
+    if (form == 0) {
+      with_form(std::integral_constant<int, 0>{});
+    } else if (form == 1) {
+      with_form(std::integral_constant<int, 1>{});
+    } else {
+      with_form(std::integral_constant<int, 2>{});
+    }
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -519,6 +777,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qhadam_", &qhadam_, "One fused QHAdam step over a list of CPU tensors, in place.");
   m.def("quantize8_", &quantize8_, "Encode float32 values as an 8-bit blockwise state.");
   m.def("dequantize8_", &dequantize8_, "Decode an 8-bit blockwise state to float32.");
+  m.def("qhm8_", &qhm8_, "One fused QHM step of float32 CPU tensors with 8-bit buffers.");
+  m.def("qhadam8_", &qhadam8_, "One fused QHAdam step of float32 CPU tensors with 8-bit moments.");
   m.def("stochastic_round_", &stochastic_round_,
         "Round a float32 CPU tensor to bfloat16 stochastically (qhoptim.rounding).");
 }
