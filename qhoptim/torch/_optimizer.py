@@ -386,6 +386,36 @@ class NarrowStateOptimizer(Optimizer):
         }
 
 
+class MomentumBufferState:
+    """The state of an optimizer with one momentum buffer per parameter (QHM,
+    QHMuon): the buffer, and with a narrow ``state_dtype`` a step count (the
+    rounding's seed). A mixin, placed before the base class."""
+
+    _STATE_KEYS: tuple[frozenset[str], ...] = (
+        frozenset(),
+        frozenset({"momentum_buffer"}),
+        frozenset({"momentum_buffer", "step"}),
+    )
+    _SIGNED: tuple[bool, ...] = (True,)
+    _STATE_LISTS: tuple[str, ...] = ("momentum_buffer",)
+
+    @staticmethod
+    def _momentum_buffer(group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> Tensor:
+        """``param``'s buffer, made at its first step: zeros, in the group's
+        ``state_dtype`` where that is narrower (8-bit: the parameter's shape
+        recorded beside it), and then a step count for the rounding's seed."""
+        narrow = _state_dtype.narrow(group, param)
+        if "momentum_buffer" not in state:
+            dtype = group["state_dtype"] if narrow else None
+            state["momentum_buffer"] = _state_dtype.zeros_state(param, dtype)
+            if _state_dtype.eight_bit(dtype):
+                state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(param)
+        if narrow and "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float64)
+        buffer: Tensor = state["momentum_buffer"]
+        return buffer
+
+
 class QHOptimizer(NarrowStateOptimizer):
     """Plumbing shared by QHM and QHAdam: flags of older state dicts, gathering
     the parameters that have a gradient, and ``step`` over the param groups."""

@@ -13,6 +13,7 @@ from torch.optim.optimizer import ParamsT
 from qhoptim import convert, validation
 from qhoptim.torch import _fused, _kernels, _state_dtype, _tensors
 from qhoptim.torch._optimizer import (
+    MomentumBufferState,
     QHOptimizer,
     capturable_doc,
     differentiable_doc,
@@ -49,7 +50,7 @@ def _conversion(name: str) -> Any:
     return classmethod(method)
 
 
-class QHM(QHOptimizer):
+class QHM(MomentumBufferState, QHOptimizer):
     def __init__(
         self,
         params: ParamsT,
@@ -92,14 +93,6 @@ class QHM(QHOptimizer):
         self._setup_fused()
 
     _GROUP_KEYS = ("lr", "momentum", "nu", "weight_decay")
-    # With a narrow state_dtype QHM also counts its steps (the rounding's seed).
-    _STATE_KEYS = (
-        frozenset(),
-        frozenset({"momentum_buffer"}),
-        frozenset({"momentum_buffer", "step"}),
-    )
-    _SIGNED = (True,)
-    _STATE_LISTS = ("momentum_buffer",)
     _LEGACY_DECAY_KEY = "weight_decay_type"
 
     @staticmethod
@@ -144,15 +137,7 @@ class QHM(QHOptimizer):
                 momentum_buffers.append(state["momentum_buffer"])
             return has_complex
         for p, state in zip(params, states, strict=True):
-            narrow = _state_dtype.narrow(group, p)
-            if len(state) == 0:
-                dtype = group["state_dtype"] if narrow else None
-                state["momentum_buffer"] = _state_dtype.zeros_state(p, dtype)
-                if _state_dtype.eight_bit(dtype):
-                    state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
-            if narrow and "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float64)
-            momentum_buffers.append(state["momentum_buffer"])
+            momentum_buffers.append(self._momentum_buffer(group, p, state))
         return has_complex
 
     def _step_group(self, group: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from torch.optim.optimizer import ParamsT
 from qhoptim import convert, rules, validation
 from qhoptim.torch import _state_dtype
 from qhoptim.torch._optimizer import (
+    MomentumBufferState,
     NarrowStateOptimizer,
     as_numbers,
     lr_value,
@@ -60,7 +61,7 @@ def _check_matrices(params: list[Tensor]) -> None:
             )
 
 
-class QHMuon(NarrowStateOptimizer):
+class QHMuon(MomentumBufferState, NarrowStateOptimizer):
     def __init__(
         self,
         params: ParamsT,
@@ -98,14 +99,6 @@ class QHMuon(NarrowStateOptimizer):
         super().__init__(params, as_numbers(defaults))
 
     _GROUP_KEYS = ("lr", "weight_decay", "momentum", "nu", "ns_coefficients", "eps", "ns_steps")
-    # With a narrow state_dtype QHMuon counts its steps (the rounding's seed), as QHM.
-    _STATE_KEYS = (
-        frozenset(),
-        frozenset({"momentum_buffer"}),
-        frozenset({"momentum_buffer", "step"}),
-    )
-    _SIGNED = (True,)
-    _STATE_LISTS = ("momentum_buffer",)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -172,17 +165,9 @@ class QHMuon(NarrowStateOptimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("QHMuon does not support sparse gradients")
                 state = self.state[p]
-                narrow = _state_dtype.narrow(group, p)
-                if "momentum_buffer" not in state:
-                    dtype = group["state_dtype"] if narrow else None
-                    state["momentum_buffer"] = _state_dtype.zeros_state(p, dtype)
-                    if _state_dtype.eight_bit(dtype):
-                        state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
-                if narrow and "step" not in state:
-                    state["step"] = torch.zeros((), dtype=torch.float64)
                 params.append(p)
                 grads.append(p.grad)
-                buffers.append(state["momentum_buffer"])
+                buffers.append(self._momentum_buffer(group, p, state))
                 steps.append(state.get("step"))
             if not params:
                 continue

@@ -670,6 +670,17 @@ void check_float32_params(const std::vector<at::Tensor>& params, const std::vect
   }
 }
 
+// f(i, p, g) for each float32 parameter's data and its gradient's (a copy of
+// one that overlaps the parameter: readable_grad).
+template <typename F>
+void for_each_float32_param(std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                            F&& f) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor grad = readable_grad(params[i], grads[i]);
+    f(i, params[i].data_ptr<float>(), grad.data_ptr<float>());
+  }
+}
+
 }  // namespace
 
 // QHM's step (qhm_'s arguments) with 8-bit momentum buffers: `seeds` int64
@@ -687,10 +698,7 @@ void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
               w = grad_to_buffer, bv = buffer_value, gv = grad_value;
   const bool low = w < 0.5f;
   const bool coupled = wd != 0.0f;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor grad = readable_grad(params[i], grads[i]);
-    float* p = params[i].data_ptr<float>();
-    const float* g = grad.data_ptr<float>();
+  for_each_float32_param(params, grads, [&](size_t i, float* p, const float* g) {
     with_flags(coupled, low, [&](auto coupled_tag, auto low_tag) {
       eight_bit_blocks<1>(
           params[i], {&momentum_buffers[i]}, {true}, {seed[3 * i]}, ladder, ladder,
@@ -700,7 +708,7 @@ void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
                                                     w, bv, gv, 0);
           });
     });
-  }
+  });
 }
 
 // QHAdam's step (qhadam_'s arguments) with 8-bit moments: the first moment
@@ -729,10 +737,7 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
               w1 = exp_avg_lerp, b2 = beta2, w2 = one_minus_beta2;
   const bool low = w1 < 0.5f;
   const bool coupled = wd != 0.0f;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor grad = readable_grad(params[i], grads[i]);
-    float* p = params[i].data_ptr<float>();
-    const float* g = grad.data_ptr<float>();
+  for_each_float32_param(params, grads, [&](size_t i, float* p, const float* g) {
     // FoldedQHAdam: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value
     const float sw = c[5 * i], gw = c[5 * i + 1], eps = c[5 * i + 2], mv = c[5 * i + 3],
                 gv = c[5 * i + 4];
@@ -769,7 +774,7 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
     } else {
       with_form(std::integral_constant<int, 2>{});
     }
-  }
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
