@@ -622,7 +622,7 @@ def qhadam(
         amsgrad,
     )
     maxes = max_exp_avg_sqs if amsgrad else None
-    if fused:
+    if fused or state_seeds is not None:
         # The fused kernels handle a gradient aliasing its parameter themselves.
         _fused.fused_qhadam(
             params,
@@ -638,8 +638,6 @@ def qhadam(
             capturable=capturable,
         )
         return
-    if state_seeds is not None:
-        raise ValueError("state_seeds needs fused=True (bfloat16 state in the fused CPU kernel)")
     # A gradient that shares storage with its parameter is read before it is written.
     grads = unalias_grads(params, grads)
     if foreach is None:

@@ -337,14 +337,15 @@ def qhm(
     torch's functional signature; complex tensors are recognised per tensor.
     ``fused=True`` takes the fused kernels (``grad_scale`` and ``found_inf``
     as ``torch.amp.GradScaler`` sets them on the optimizer). ``state_seeds``
-    (with ``fused=True``, float32 CPU parameters): the buffers are bfloat16
-    (``QHM(state_dtype=torch.bfloat16)``), rounded stochastically with these
-    seeds, ``[seed]`` per tensor.
+    (float32 CPU parameters): the buffers are bfloat16 or 8-bit
+    (``QHM(state_dtype=...)``), stepped by the fused CPU kernel whatever
+    ``foreach`` and ``fused`` say and rounded stochastically with these seeds,
+    ``[seed]`` per tensor.
     """
     hp = _tensors.QHMHyperparameters(
         scalar_lr(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize
     )
-    if fused:
+    if fused or state_seeds is not None:
         # The fused kernels handle a gradient aliasing its parameter themselves.
         _fused.fused_qhm(
             params,
@@ -356,8 +357,6 @@ def qhm(
             state_seeds=state_seeds,
         )
         return
-    if state_seeds is not None:
-        raise ValueError("state_seeds needs fused=True (bfloat16 state in the fused CPU kernel)")
     # A gradient that shares storage with its parameter is read before it is written.
     grads = unalias_grads(params, grads)
     if foreach is None:

@@ -226,12 +226,14 @@ def test_narrow_state_steps_any_layout_as_the_contiguous_tensor(
 ) -> None:
     # channels_last weights, transposed parameters and gradients: the step (and
     # its rounding, by row-major position) is that of the same values laid out
-    # contiguously. chunk=256: tensors larger than the working copies' chunk
+    # contiguously. chunk=256: on the working copies (which CPU tensors take
+    # where the C++ kernel cannot be built), tensors larger than their chunk
     # (whole 8-bit blocks, as the chunk of 2**22 values is).
     from qhoptim.torch import _state_dtype
 
-    if chunk is not None:
+    if chunk is not None:  # on float32 working copies, a slice at a time
         monkeypatch.setattr(_state_dtype, "CHUNK_VALUES", chunk)
+        monkeypatch.setattr(_state_dtype, "in_fused_kernel", lambda *args: False)
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(8, 8, 3, 3, generator=gen)
     matrix = torch.randn(24, 30, generator=gen)

@@ -248,7 +248,13 @@ def test_both_roundings_are_the_rule_every_backend_follows(
 def test_a_tensor_larger_than_a_chunk_steps_in_slices_as_a_whole(monkeypatch: Any) -> None:
     # Working copies are made a slice at a time for tensors larger than a chunk;
     # the slices take the whole tensor's step (one count, the noise of the same
-    # elements), so slicing changes nothing.
+    # elements), so slicing changes nothing. (On CPU the C++ kernel steps narrow
+    # state without working copies where it can be built: not here.)
+    from qhoptim.torch._optimizer import NarrowStateOptimizer
+
+    monkeypatch.setattr(
+        NarrowStateOptimizer, "_narrow_state_in_kernel", staticmethod(lambda *args: False)
+    )
     params, sliced_params = _params(), _params()
     whole = QHAdam(params, lr=1e-2, nus=(0.7, 0.9), state_dtype=BF16)
     _run(whole, params, range(4))
@@ -511,3 +517,31 @@ def test_the_fused_8_bit_kernel_steps_as_the_working_copies_do(
         for k in STATE_KEYS:
             if k in fused.state[p]:
                 assert torch.equal(fused.state[p][k], copied.state[q][k]), k
+
+
+@pytest.mark.parametrize("state_dtype", [BF16, U8], ids=["bfloat16", "8-bit"])
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize(
+    "flags", [{"foreach": True}, {"foreach": False}], ids=["foreach", "per-tensor"]
+)
+def test_every_cpu_path_steps_narrow_state_in_the_kernel(
+    cls: type,
+    kwargs: dict[str, Any],
+    flags: dict[str, bool],
+    state_dtype: torch.dtype,
+    monkeypatch: Any,
+) -> None:
+    # On CPU a narrow state steps in the fused C++ kernel's one pass whatever the
+    # path flags (no float32 working copies): fused=True's steps, bit for bit.
+    fused_params = _params()
+    _run(cls(fused_params, **kwargs, fused=True, state_dtype=state_dtype), fused_params, range(4))
+
+    def working_copies_refused(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the kernel should step this state")
+
+    monkeypatch.setattr(_state_dtype, "step_with_narrow_state", working_copies_refused)
+    params = _params()
+    opt = cls(params, **kwargs, **flags, state_dtype=state_dtype)
+    _run(opt, params, range(4))
+    for p, q in zip(fused_params, params, strict=True):
+        assert torch.equal(p, q)
