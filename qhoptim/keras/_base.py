@@ -103,11 +103,8 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
         return super().add_variable(shape, initializer, dtype, aggregation, **kwargs)
 
     def _state_config(self) -> dict[str, Any]:
-        """The config entries of a narrow state (none without one: configs stay
-        loadable by versions before ``state_dtype``)."""
-        if self.state_dtype is None and self.stochastic_rounding is None:
-            return {}
-        return {"state_dtype": self.state_dtype, "stochastic_rounding": self.stochastic_rounding}
+        """The config entries of a narrow state (:func:`_narrow.state_config`)."""
+        return _narrow.state_config(self.state_dtype, self.stochastic_rounding)
 
     def _narrow(self, variable: Any) -> bool:
         """Whether ``variable``'s slots are stored narrower than it."""

@@ -48,6 +48,14 @@ def checked_state_dtype(state_dtype: Any, stochastic_rounding: Any) -> str | Non
     return name
 
 
+def state_config(state_dtype: str | None, stochastic_rounding: bool | None) -> dict[str, Any]:
+    """The config entries of a narrow state (none without one: configs stay
+    loadable by versions before ``state_dtype``)."""
+    if state_dtype is None and stochastic_rounding is None:
+        return {}
+    return {"state_dtype": state_dtype, "stochastic_rounding": stochastic_rounding}
+
+
 def slot_dtype(state_dtype: str, variable_dtype: Any) -> str:
     """``state_dtype`` for a slot of a variable of ``variable_dtype``, which it
     must be able to follow: real, and not narrower than the state."""

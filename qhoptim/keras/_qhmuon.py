@@ -209,7 +209,5 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
         config: dict[str, Any] = super().get_config()
         config.pop("nesterov", None)
         config["nu"] = self.nu
-        if self.state_dtype is not None or self.stochastic_rounding is not None:
-            config["state_dtype"] = self.state_dtype
-            config["stochastic_rounding"] = self.stochastic_rounding
+        config.update(_narrow.state_config(self.state_dtype, self.stochastic_rounding))
         return config
