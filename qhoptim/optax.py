@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 try:
     import jax
     import jax.numpy as jnp
+    import numpy as np
     import optax
 except ImportError as error:  # pragma: no cover - exercised where JAX or optax is absent
     raise ImportError(
@@ -40,11 +41,13 @@ except ImportError as error:  # pragma: no cover - exercised where JAX or optax 
 from qhoptim import convert, rounding, rules, validation
 
 __all__ = [
+    "EightBitArray",
     "ScaleByQHAdamAmsgradState",
     "ScaleByQHAdamState",
     "ScaleByQHMCountState",
     "ScaleByQHMState",
     "ScaleByQHMuonState",
+    "decoded_state",
     "from_params",
     "qhadam",
     "qhadamw",
@@ -184,6 +187,45 @@ def _bias_correction(beta: float | jax.Array, count: jax.Array) -> jax.Array:
 _BITS = rounding.Bits(const=lambda c: jnp.asarray(c, jnp.uint32))
 
 
+@jax.tree_util.register_pytree_node_class
+class EightBitArray:
+    """An array's state stored in 8 bits (``state_dtype=jnp.uint8``): a pytree
+    of ``codes`` (uint8, the array's shape: one byte per value) and ``scales``
+    (float32, one per block of 256 values in row-major order: the block's
+    largest finite magnitude).
+
+    A value is its block's scale times the level of
+    :func:`qhoptim.rounding.eight_bit_levels` its code names (bit 7 its sign,
+    for a ``signed`` state: QHM's buffer, QHAdam's first moment; the second
+    moment is unsigned); :func:`decoded_state` reads it as float32. The codes
+    are torch's ``state_dtype=torch.uint8`` codes for the same values and
+    noise (one rule, :func:`qhoptim.rounding.eight_bit_encode_reference`).
+    ``signed`` is static (the pytree's auxiliary data), so a checkpoint
+    restores into an ``init``'s structure as any optax state does.
+    """
+
+    def __init__(self, codes: jax.Array, scales: jax.Array, signed: bool) -> None:
+        self.codes = codes
+        self.scales = scales
+        self.signed = signed
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], bool]:
+        return (self.codes, self.scales), self.signed
+
+    @classmethod
+    def tree_unflatten(cls, signed: bool, children: Any) -> EightBitArray:
+        codes, scales = children
+        return cls(codes, scales, signed)
+
+    def __repr__(self) -> str:
+        return f"EightBitArray(codes={self.codes!r}, scales={self.scales!r}, signed={self.signed})"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the array this state is of."""
+        return tuple(self.codes.shape)
+
+
 def _state_dtype(state_dtype: Any, stochastic_rounding: Any, **others: Any) -> Any:
     """The checked ``state_dtype`` (canonical), alone among the dtype arguments ``others``."""
     rounding.check_stochastic_rounding(stochastic_rounding)
@@ -193,7 +235,8 @@ def _state_dtype(state_dtype: Any, stochastic_rounding: Any, **others: Any) -> A
         name: str | None = jnp.dtype(state_dtype).name
     except TypeError:
         name = None
-    rounding.check_state_dtype(name, state_dtype, allowed=rounding.STATE_DTYPES)
+    allowed = (*rounding.STATE_DTYPES, rounding.EIGHT_BIT)
+    rounding.check_state_dtype(name, state_dtype, allowed=allowed)
     for other, value in others.items():
         if value is not None:
             raise ValueError(
@@ -212,26 +255,169 @@ def _check_narrow_params(params: optax.Params, state_dtype: Any) -> None:
         rounding.check_narrower(state.name, state.itemsize, dtype.name, dtype.itemsize)
 
 
+def _zeros_state(params: optax.Params, state_dtype: Any, signed: bool) -> Any:
+    """A fresh state of each of ``params`` stored in ``state_dtype``: zeros,
+    or the zero 8-bit state (codes and scales 0); each keeps its parameter's
+    sharding (``zeros_like``)."""
+    if state_dtype != jnp.uint8:
+        return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=state_dtype), params)
+
+    def zeros(p: jax.Array) -> EightBitArray:
+        blocks = -(-p.size // rounding.EIGHT_BIT_BLOCK)
+        scales = jnp.zeros((blocks,), jnp.float32)
+        return EightBitArray(jnp.zeros_like(p, dtype=jnp.uint8), scales, signed)
+
+    return jax.tree.map(zeros, params)
+
+
 def _rounding_seed(count: jax.Array, index: int) -> jax.Array:
     """The rounding seed (:func:`qhoptim.rounding.rounding_seed`) of state ``index``
     after update ``count`` (traced under ``jit``)."""
     return rounding.rounding_seed(count.astype(jnp.uint32), jnp.uint32(index), _BITS)  # type: ignore[no-any-return]
 
 
-def _store(value: jax.Array, dtype: Any, seed: jax.Array, stochastic: bool) -> jax.Array:
-    """``value`` (a step's new state) stored in ``dtype``: to bfloat16 rounded
-    stochastically with ``seed`` (:mod:`qhoptim.rounding`), otherwise cast.
+def _noise16(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
+    """The noise of each element of an array of ``shape`` (its row-major position).
+
+    The position is summed from one iota per dimension times its stride, which
+    XLA computes inside the loop from the element's index; an iota reshaped
+    to ``shape`` would cost a division and a remainder per element and
+    dimension, and flattening the array would regroup a sharded one.
+    """
+    position = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        index = jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
+        position = position + index * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= shape[dim]
+    return rounding.noise16(position, seed, _BITS)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _levels(signed: bool) -> np.ndarray:
+    # NumPy, not JAX: a module-level JAX array would be made on import.
+    return np.asarray(rounding.eight_bit_levels(signed), np.float32)
+
+
+def _blocked(x: jax.Array) -> jax.Array:
+    """``x`` flattened, padded with zeros to whole blocks, one row per block."""
+    flat = x.reshape(-1)
+    blocks = -(-flat.size // rounding.EIGHT_BIT_BLOCK)
+    padded = jnp.pad(flat, (0, blocks * rounding.EIGHT_BIT_BLOCK - flat.size))
+    return padded.reshape(blocks, rounding.EIGHT_BIT_BLOCK)
+
+
+def _decode(stored: EightBitArray) -> jax.Array:
+    """The float32 values an 8-bit state stands for
+    (:func:`qhoptim.rounding.eight_bit_decode_reference`)."""
+    codes = stored.codes.astype(jnp.int32)
+    levels = jnp.asarray(_levels(stored.signed))
+    magnitude = levels[codes & 127 if stored.signed else codes]
+    if stored.signed:
+        magnitude = jnp.where(codes >= 128, -magnitude, magnitude)
+    scaled = _blocked(magnitude) * stored.scales[:, None]
+    value = scaled.reshape(-1)[: codes.size].reshape(codes.shape)
+    special = jnp.nan if stored.signed else jnp.inf
+    return jnp.where(codes == rounding.EIGHT_BIT_NON_FINITE[stored.signed], special, value)
+
+
+def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -> EightBitArray:
+    """``value`` in 8 bits (:func:`qhoptim.rounding.eight_bit_encode_reference`):
+    each block's scale its largest finite magnitude, each value one of the two
+    levels around it, chosen by the noise of ``seed`` (or to nearest); NaN and
+    infinities take the non-finite code and leave their block alone."""
+    x = value.astype(jnp.float32).reshape(-1)  # flat: blocks of 256 in row-major order
+    finite = jnp.isfinite(x)
+    # Subnormals read as 0 (XLA flushes them; the rule does so everywhere).
+    smallest = rounding.EIGHT_BIT_SMALLEST
+    magnitudes = jnp.where(finite & (jnp.abs(x) >= smallest), jnp.abs(x), 0.0)
+    scales = _blocked(magnitudes).max(axis=1)
+    inverse = (1.0 / scales)[:, None]  # once per block: ratios are products
+    ratio = (_blocked(magnitudes) * inverse).reshape(-1)[: x.size]
+    ratio = jnp.where(jnp.isnan(ratio) | (ratio < smallest), 0.0, ratio)  # 0 * inf: all zeros
+    levels = jnp.asarray(_levels(signed))
+    top = levels.size - 1
+    # The last level <= ratio, as a search of the table finds it: a first guess
+    # of 8 * log2(ratio) from the float's exponent and the top of its mantissa
+    # (at most a level below the truth, as log2(1 + f) >= f; or one above,
+    # where a level's float32 rounding lies past the ratio), then one step
+    # each way -- two gathers, where XLA's searchsorted takes ~30x as long.
+    bits = jax.lax.bitcast_convert_type(ratio, jnp.int32)
+    per_octave = rounding.EIGHT_BIT_PER_OCTAVE
+    mantissa = ((bits & 0x7FFFFF) * per_octave) >> 23
+    guess = jnp.clip(top + per_octave * ((bits >> 23) - 127) + mantissa, 1, top - 1)
+    low = guess - (levels[guess] > ratio) + (levels[guess + 1] <= ratio)
+    low = jnp.minimum(low, top - 1)
+    below, above = levels[low], levels[low + 1]
+    if stochastic:
+        threshold = _noise16(x.shape, seed).astype(jnp.float32) * 2.0**-16
+    else:
+        threshold = jnp.float32(0.5)
+    # Up with probability (ratio - below) / (above - below), without a division.
+    code = low + (ratio - below > threshold * (above - below)).astype(low.dtype)
+    non_finite = rounding.EIGHT_BIT_NON_FINITE[signed]
+    if signed:  # no -0: its code is the non-finite one
+        code = jnp.where((x < 0) & (code > 0), code + 128, code)
+    else:  # a positive second moment is never stored as 0, nor as the code of inf
+        code = jnp.where((code <= non_finite) & (ratio > 0), non_finite + 1, code)
+    codes = jnp.where(finite, code, non_finite).astype(jnp.uint8)
+    return EightBitArray(codes.reshape(value.shape), scales, signed)
+
+
+def _load(stored: jax.Array | EightBitArray, dtype: Any) -> jax.Array:
+    """A stored state in ``dtype``, to step in: decoded, or cast."""
+    if isinstance(stored, EightBitArray):
+        return _decode(stored).astype(dtype)
+    return stored.astype(dtype)
+
+
+def _store(
+    value: jax.Array, like: jax.Array | EightBitArray, seed: jax.Array, stochastic: bool
+) -> jax.Array | EightBitArray:
+    """``value`` (a step's new state) stored as ``like`` is: in 8 bits
+    (:func:`_encode`), to bfloat16 rounded stochastically with ``seed``
+    (:mod:`qhoptim.rounding`), otherwise cast to ``like``'s dtype.
 
     The noise of each element is the hash of its flat position, so XLA makes it
     inside the update's fused loop, never as an array of its own.
     """
+    if isinstance(like, EightBitArray):
+        return _encode(value, like.signed, seed, stochastic)
+    dtype = like.dtype
     if not (stochastic and dtype == jnp.bfloat16 and value.dtype != jnp.bfloat16):
         return value.astype(dtype)
     x = value.astype(jnp.float32)
-    positions = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)
-    noise = rounding.noise16(positions, seed, _BITS)
-    bits = rounding.round_bits(jax.lax.bitcast_convert_type(x, jnp.uint32), noise, _BITS)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16)
+    bits = rounding.round_bits(
+        jax.lax.bitcast_convert_type(x, jnp.uint32), _noise16(x.shape, seed), _BITS
+    )
+    # The kept top half is the bfloat16 (no conversion's rounding logic to run).
+    top = (bits >> 16).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(top, jnp.bfloat16)
+
+
+def decoded_state(state: Any) -> Any:
+    """``state`` with each 8-bit array (:class:`EightBitArray`, ``state_dtype=jnp.uint8``)
+    read as the float32 array it stands for; every other leaf as it is.
+
+    For logging, debugging, or a checkpoint to carry on in another ``state_dtype``
+    (put the decoded arrays in that optimizer's ``init`` structure). Reading
+    changes nothing: the state steps on as before.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import qhoptim.optax as qho
+      >>> tx = qho.qhadam(1e-3, nu1=0.7, state_dtype=jnp.uint8)
+      >>> params = {"w": jnp.ones((2, 3))}
+      >>> _, state = tx.update({"w": jnp.full((2, 3), 0.5)}, tx.init(params), params)
+      >>> mu = qho.decoded_state(state)[0].mu["w"]  # (1 - b1) * 0.5, to 8 bits
+      >>> print(mu.dtype, mu.shape, bool(abs(mu[0, 0] - 0.05) < 0.005))
+      float32 (2, 3) True
+    """
+
+    def read(x: Any) -> Any:
+        return _decode(x) if isinstance(x, EightBitArray) else x
+
+    return jax.tree.map(read, state, is_leaf=lambda x: isinstance(x, EightBitArray))
 
 
 def _check_learning_rate(learning_rate: ScalarOrSchedule) -> ScalarOrSchedule:
@@ -274,9 +460,12 @@ def scale_by_qhm(
         in the parameters' dtype and written back with
         :mod:`qhoptim.rounding`'s stochastic rounding (bfloat16), so the buffer
         follows the float32 one on average where rounding to nearest would
-        freeze it. Not with ``accumulator_dtype``; not wider than the parameters.
+        freeze it. ``jnp.uint8`` stores it in 8 bits (:class:`EightBitArray`:
+        a byte per value and a float32 scale per 256 values, rounded
+        stochastically between levels by the same rule; a quarter of float32's
+        bytes). Not with ``accumulator_dtype``; not wider than the parameters.
       stochastic_rounding: with ``state_dtype``: ``None`` (stochastic for
-        bfloat16) or a bool; ``False`` rounds to nearest.
+        bfloat16 and 8 bits) or a bool; ``False`` rounds to nearest.
 
     Returns:
       A :class:`optax.GradientTransformation` with state :class:`ScaleByQHMState`
@@ -304,7 +493,7 @@ def scale_by_qhm(
         if state_dtype is None:
             return ScaleByQHMState(optax.tree.zeros_like(params, dtype=accumulator_dtype))
         _check_narrow_params(params, state_dtype)
-        buffers = optax.tree.zeros_like(params, dtype=state_dtype)
+        buffers = _zeros_state(params, state_dtype, signed=True)
         return ScaleByQHMCountState(count=jnp.zeros([], jnp.int32), momentum_buffer=buffers)
 
     def update_fn(
@@ -333,14 +522,14 @@ def scale_by_qhm(
             # A narrow buffer steps in the gradient's dtype, then is stored narrow.
             dtype = buf.dtype if state_dtype is None else _real_dtype(g.dtype)
             b, direction = rules.qhm_update(
-                g, buf.astype(dtype), momentum=_cast(momentum, dtype), nu=_cast(nu, dtype)
+                g, _load(buf, dtype), momentum=_cast(momentum, dtype), nu=_cast(nu, dtype)
             )
             new_updates.append(direction.astype(g.dtype))
             if count is None:
                 new_buffers.append(b.astype(dtype))
             else:
                 seed = _rounding_seed(count, rounding.state_index(position))
-                new_buffers.append(_store(b, buf.dtype, seed, stochastic))
+                new_buffers.append(_store(b, buf, seed, stochastic))
         buffer_tree = jax.tree.unflatten(treedef, new_buffers)
         new_state: ScaleByQHMState | ScaleByQHMCountState
         if count is None:
@@ -414,9 +603,11 @@ def scale_by_qhadam(
         of 8. The step is computed in the parameters' dtype and written back
         with :mod:`qhoptim.rounding`'s stochastic rounding (bfloat16), so the
         moments follow the float32 ones on average where rounding to nearest
-        would freeze them. Not with ``mu_dtype``; not wider than the parameters.
+        would freeze them. ``jnp.uint8`` stores them in 8 bits
+        (:class:`EightBitArray`: about 2.03 bytes of state per parameter).
+        Not with ``mu_dtype``; not wider than the parameters.
       stochastic_rounding: with ``state_dtype``: ``None`` (stochastic for
-        bfloat16) or a bool; ``False`` rounds to nearest.
+        bfloat16 and 8 bits) or a bool; ``False`` rounds to nearest.
 
     Returns:
       A :class:`optax.GradientTransformation` with state
@@ -445,15 +636,18 @@ def scale_by_qhadam(
     stochastic = rounding.stochastic(state_name, stochastic_rounding)
 
     def init_fn(params: optax.Params) -> ScaleByQHAdamState | ScaleByQHAdamAmsgradState:
+        count = jnp.zeros([], jnp.int32)
         if state_dtype is not None:
             _check_narrow_params(params, state_dtype)
-        exp_avg = optax.tree.zeros_like(params, dtype=state_dtype or mu_dtype)
-        # zeros_like, not zeros: the moment keeps the parameter's sharding (a
-        # sharded model's moments would otherwise all land on one device).
-        exp_avg_sq = jax.tree.map(
-            lambda p: jnp.zeros_like(p, dtype=state_dtype or _real_dtype(p.dtype)), params
-        )
-        count = jnp.zeros([], jnp.int32)
+            exp_avg = _zeros_state(params, state_dtype, signed=True)
+            exp_avg_sq = _zeros_state(params, state_dtype, signed=False)
+        else:
+            exp_avg = optax.tree.zeros_like(params, dtype=mu_dtype)
+            # zeros_like, not zeros: the moment keeps the parameter's sharding (a
+            # sharded model's moments would otherwise all land on one device).
+            exp_avg_sq = jax.tree.map(
+                lambda p: jnp.zeros_like(p, dtype=_real_dtype(p.dtype)), params
+            )
         if amsgrad:
             nu_max = jax.tree.map(jnp.zeros_like, exp_avg_sq)
             return ScaleByQHAdamAmsgradState(count=count, mu=exp_avg, nu=exp_avg_sq, nu_max=nu_max)
@@ -493,9 +687,10 @@ def scale_by_qhadam(
                 continue
             # The parameters' real dtype; a narrow state steps in the gradient's.
             dtype = exp_avg_sq.dtype if state_dtype is None else _real_dtype(g.dtype)
+            stored = (exp_avg, exp_avg_sq, max_sq)
             if state_dtype is not None:
-                exp_avg, exp_avg_sq = exp_avg.astype(dtype), exp_avg_sq.astype(dtype)
-                max_sq = None if max_sq is None else max_sq.astype(dtype)
+                exp_avg, exp_avg_sq = _load(exp_avg, dtype), _load(exp_avg_sq, dtype)
+                max_sq = None if max_sq is None else _load(max_sq, dtype)
             hparams = {
                 "beta1": _cast(b1, dtype),
                 "beta2": _cast(b2, dtype),
@@ -526,10 +721,10 @@ def scale_by_qhadam(
                 _rounding_seed(count, rounding.state_index(position, k))
                 for k in range(3 if amsgrad else 2)
             ]
-            new_exp_avgs.append(_store(next_exp_avg, state_dtype, seeds[0], stochastic))
-            new_exp_avg_sqs.append(_store(next_exp_avg_sq, state_dtype, seeds[1], stochastic))
+            new_exp_avgs.append(_store(next_exp_avg, stored[0], seeds[0], stochastic))
+            new_exp_avg_sqs.append(_store(next_exp_avg_sq, stored[1], seeds[1], stochastic))
             if amsgrad:
-                new_maxes.append(_store(next_max, state_dtype, seeds[2], stochastic))
+                new_maxes.append(_store(next_max, stored[2], seeds[2], stochastic))
         mu = jax.tree.unflatten(treedef, new_exp_avgs)
         nu = jax.tree.unflatten(treedef, new_exp_avg_sqs)
         new_state: ScaleByQHAdamState | ScaleByQHAdamAmsgradState
@@ -826,8 +1021,8 @@ def scale_by_qhmuon(
         optax's Muon).
       state_dtype, stochastic_rounding: store the buffer in a narrower dtype,
         as :func:`scale_by_qhm` does (stepped in the update's dtype, written
-        back with :mod:`qhoptim.rounding`'s stochastic rounding for bfloat16,
-        seeded by the update count); not with ``mu_dtype``.
+        back with :mod:`qhoptim.rounding`'s stochastic rounding for bfloat16
+        and 8 bits, seeded by the update count); not with ``mu_dtype``.
 
     Returns:
       A :class:`optax.GradientTransformation` with state :class:`ScaleByQHMuonState`.
@@ -850,7 +1045,9 @@ def scale_by_qhmuon(
         _check_muon_matrices(params)
         if state_dtype is not None:
             _check_narrow_params(params, state_dtype)
-        buffers = optax.tree.zeros_like(params, dtype=state_dtype or mu_dtype)
+            buffers = _zeros_state(params, state_dtype, signed=True)
+        else:
+            buffers = optax.tree.zeros_like(params, dtype=mu_dtype)
         return ScaleByQHMuonState(count=jnp.zeros([], jnp.int32), momentum_buffer=buffers)
 
     def update_fn(
@@ -870,7 +1067,7 @@ def scale_by_qhmuon(
                 new_buffers.append(buf)
                 continue
             # A narrow buffer steps in the gradient's dtype, then is stored narrow.
-            b = rules.ewma(buf if state_dtype is None else buf.astype(g.dtype), g, beta)
+            b = rules.ewma(buf if state_dtype is None else _load(buf, g.dtype), g, beta)
             direction = rules.qhm_bias_corrected_direction(
                 g, b, nu=nu, grad_correction=grad_correction.astype(g.dtype),
                 buffer_correction=buffer_correction.astype(b.dtype),
@@ -885,7 +1082,7 @@ def scale_by_qhmuon(
             new_updates.append(orthogonal.astype(g.dtype))
             if state_dtype is not None:
                 seed = _rounding_seed(count, rounding.state_index(position))
-                new_buffers.append(_store(b, state_dtype, seed, stochastic))
+                new_buffers.append(_store(b, buf, seed, stochastic))
             else:
                 new_buffers.append(b if mu_dtype is None else b.astype(mu_dtype))
         new_state = ScaleByQHMuonState(count, jax.tree.unflatten(treedef, new_buffers))

@@ -43,7 +43,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = [
+    "EIGHT_BIT",
     "EIGHT_BIT_NON_FINITE",
+    "EIGHT_BIT_SMALLEST",
     "PYTHON",
     "STATE_DTYPES",
     "Bits",
@@ -52,6 +54,8 @@ __all__ = [
     "check_second_moment_dtype",
     "check_state_dtype",
     "check_stochastic_rounding",
+    "eight_bit_decode_reference",
+    "eight_bit_encode_reference",
     "eight_bit_levels",
     "mix32",
     "noise16",
@@ -149,6 +153,15 @@ def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
     return bits.wrap(float32_bits + noise) & bits.const(BFLOAT16_MASK)
 
 
+#: The name of the 8-bit blockwise state's dtype (``state_dtype=torch.uint8``,
+#: ``jnp.uint8``): one byte per value, standing for a level of
+#: :func:`eight_bit_levels`, and one float32 scale per block.
+EIGHT_BIT = "uint8"
+#: An 8-bit state reads magnitudes, and ratios to a block's scale, below
+#: float32's smallest normal number (2**-126) as 0, so that its bytes do not
+#: depend on whether the arithmetic flushes subnormals to zero (XLA's CPU
+#: and GPU backends do; torch's does not).
+EIGHT_BIT_SMALLEST = 2.0**-126
 #: Values per block of an 8-bit state (one float32 scale per block).
 EIGHT_BIT_BLOCK = 256
 #: Levels per octave of :func:`eight_bit_levels`' ladder (9% apart).
@@ -190,8 +203,9 @@ def eight_bit_levels(signed: bool) -> list[float]:
 
 def stochastic(state_dtype: str | None, stochastic_rounding: bool | None) -> bool:
     """Whether a state stored in ``state_dtype`` is written back stochastically:
-    ``stochastic_rounding=None`` means yes for bfloat16 (and only bfloat16)."""
-    return state_dtype == "bfloat16" and stochastic_rounding is not False
+    ``stochastic_rounding=None`` means yes for bfloat16 and the 8-bit state
+    (:data:`EIGHT_BIT`), and only for them."""
+    return state_dtype in ("bfloat16", EIGHT_BIT) and stochastic_rounding is not False
 
 
 def check_state_dtype(name: str | None, received: object, *, allowed: tuple[str, ...]) -> None:
@@ -261,3 +275,75 @@ def stochastic_round_reference(values: Any, step: int, index: int) -> Any:
     positions = np.arange(x.size, dtype=np.uint32).reshape(x.shape)
     rounded = round_bits(x.view(np.uint32), noise16(positions, seed, u32), u32)
     return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def eight_bit_encode_reference(
+    values: Any, signed: bool, seed: int, stochastic: bool, start: int = 0
+) -> tuple[Any, Any]:
+    """The 8-bit state (NumPy codes, uint8, and block scales, float32) that
+    ``values`` (read as float32, flattened) are stored as, with the noise of
+    seed ``seed`` for the elements at positions ``start ..`` (or to nearest):
+    the NumPy statement of the rule every backend's tests compare with.
+
+    Each block of :data:`EIGHT_BIT_BLOCK` values is scaled by its largest
+    finite magnitude: a value's ``ratio`` is its magnitude times the float32
+    reciprocal of the scale (magnitudes and ratios below
+    :data:`EIGHT_BIT_SMALLEST` read as 0). It lies between two levels
+    ``below <= ratio < above`` of :func:`eight_bit_levels` (``searchsorted``
+    on the right, the last pair at most) and is stored as ``above`` when
+    ``ratio - below > u * (above - below)``, ``u`` the noise over 2**16 (0.5
+    to nearest), in float32: up with probability ``(ratio - below) / (above -
+    below)``, without a division per value. A negative value of a signed
+    state sets bit 7; NaN and infinities take :data:`EIGHT_BIT_NON_FINITE`'s
+    code; a positive value of an unsigned state is never stored below the
+    code after that one. Needs NumPy.
+    """
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float32).reshape(-1)
+    n = x.size
+    blocks = -(-n // EIGHT_BIT_BLOCK)
+    finite = np.isfinite(x)
+    smallest = np.float32(EIGHT_BIT_SMALLEST)
+    magnitudes = np.where(finite & (np.abs(x) >= smallest), np.abs(x), np.float32(0))
+    padded = np.zeros(blocks * EIGHT_BIT_BLOCK, np.float32)
+    padded[:n] = magnitudes
+    scales = padded.reshape(blocks, EIGHT_BIT_BLOCK).max(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        inverse = np.float32(1) / scales  # once per block
+        ratio = magnitudes * np.repeat(inverse, EIGHT_BIT_BLOCK)[:n]
+    # 0 * inf in an all-zero block
+    ratio = np.where(np.isnan(ratio) | (ratio < smallest), np.float32(0), ratio)
+    levels = np.asarray(eight_bit_levels(signed), np.float32)
+    low = np.clip(np.searchsorted(levels, ratio, side="right") - 1, 0, levels.size - 2)
+    below, above = levels[low], levels[low + 1]
+    if stochastic:
+        u32 = Bits(const=np.uint32)
+        positions = np.arange(start, start + n, dtype=np.uint32)  # below 2**32
+        threshold = noise16(positions, np.uint32(seed), u32).astype(np.float32) / np.float32(65536)
+    else:
+        threshold = np.float32(0.5)
+    code = low + (ratio - below > threshold * (above - below))
+    non_finite = EIGHT_BIT_NON_FINITE[signed]
+    if signed:
+        code = np.where((x < 0) & (code > 0), code + 128, code)
+    else:
+        code = np.where((code <= non_finite) & (ratio > 0), non_finite + 1, code)
+    return np.where(finite, code, non_finite).astype(np.uint8), scales
+
+
+def eight_bit_decode_reference(codes: Any, scales: Any, signed: bool) -> Any:
+    """The float32 values (flat, NumPy) an 8-bit state's ``codes`` and block
+    ``scales`` stand for (:func:`eight_bit_encode_reference`): level times
+    scale, negated where bit 7 is set in a signed state; the non-finite code
+    reads back as NaN (signed) or +inf (unsigned). Needs NumPy."""
+    import numpy as np
+
+    c = np.asarray(codes).reshape(-1).astype(np.int64)
+    levels = np.asarray(eight_bit_levels(signed), np.float32)
+    magnitude = levels[c & 127 if signed else c]
+    if signed:
+        magnitude = np.where(c >= 128, -magnitude, magnitude)
+    value = magnitude * np.repeat(np.asarray(scales, np.float32), EIGHT_BIT_BLOCK)[: c.size]
+    special = np.float32(np.nan if signed else np.inf)
+    return np.where(c == EIGHT_BIT_NON_FINITE[signed], special, value).astype(np.float32)

@@ -98,7 +98,7 @@ def test_the_low_noise_bits_are_uniform() -> None:
 
 @pytest.mark.parametrize(
     ("name", "rounds"),
-    [("bfloat16", True), ("float16", False), ("float32", False), (None, False)],
+    [("bfloat16", True), ("uint8", True), ("float16", False), ("float32", False), (None, False)],
 )
 def test_stochastic_means_bfloat16_unless_turned_off(name: str | None, rounds: bool) -> None:
     assert rounding.stochastic(name, None) is rounds
@@ -111,3 +111,40 @@ def test_a_state_dtype_outside_the_allowed_is_refused_with_the_values() -> None:
     rounding.check_state_dtype("bfloat16", "bfloat16", allowed=("bfloat16",))
     with pytest.raises(TypeError, match=r"received stochastic_rounding=1"):
         rounding.check_stochastic_rounding(1)
+
+
+# ----------------------------------------------------------- the 8-bit statement
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_8_bit_encoding_is_unbiased_between_two_neighbouring_levels(signed: bool) -> None:
+    # 255 copies of 0.3 per block of scale 1: each is stored as one of the two
+    # levels around it, on average itself (6 standard errors of a step of at
+    # most 9% of the value); to nearest, every copy takes the same level.
+    blocks = 256
+    x = np.full((blocks, 256), 0.3, np.float32)
+    x[:, 0] = 1.0
+    codes, scales = rounding.eight_bit_encode_reference(x, signed, seed=11, stochastic=True)
+    assert np.array_equal(scales, np.ones(blocks, np.float32))
+    rest = rounding.eight_bit_decode_reference(codes, scales, signed).reshape(blocks, 256)[:, 1:]
+    assert len(np.unique(rest)) == 2
+    assert abs(float(rest.mean()) - 0.3) < 6 * 0.09 * 0.3 / 255
+    nearest, _ = rounding.eight_bit_encode_reference(x, signed, seed=11, stochastic=False)
+    assert len(np.unique(nearest.reshape(blocks, 256)[:, 1:])) == 1
+
+
+def test_8_bit_special_values() -> None:
+    # NaN and infinities take their own code and leave the block's scale to
+    # the finite values; a negative value sets bit 7; a positive value of an
+    # unsigned state far below the ladder is stored as its lowest level,
+    # never 0; a subnormal reads as 0, as under a flush-to-zero mode.
+    x = np.float32([2.0, -1.0, np.nan, np.inf, -np.inf, 1e-30, 1e-40, 0.0])
+    signed, _ = rounding.eight_bit_encode_reference(x, True, seed=0, stochastic=False)
+    unsigned, scales = rounding.eight_bit_encode_reference(
+        np.abs(x), False, seed=0, stochastic=False
+    )
+    assert scales.tolist() == [2.0]
+    assert signed.tolist() == [127, 128 + 119, 128, 128, 128, 0, 0, 0]
+    assert unsigned.tolist()[:6] == [255, 247, 1, 1, 1, 2]
+    assert unsigned.tolist()[6:] == [0, 0]  # the subnormal and the zero
+    values = rounding.eight_bit_decode_reference(signed, scales, True)
+    assert values[0] == 2.0 and values[1] == -1.0 and np.isnan(values[2:5]).all()
+    assert rounding.eight_bit_decode_reference(unsigned, scales, False)[3] == np.inf

@@ -290,21 +290,22 @@ def quantize_(
         return
     blocks = -(-n // BLOCK)
     finite = torch.isfinite(x)
-    magnitudes = torch.where(finite, x.abs(), 0.0)
+    smallest = rounding.EIGHT_BIT_SMALLEST  # below it: 0 (the rule's flush)
+    magnitudes = torch.where(finite & (x.abs() >= smallest), x.abs(), 0.0)
     padded = torch.nn.functional.pad(magnitudes, (0, blocks * BLOCK - n))
     scale = padded.view(blocks, BLOCK).amax(dim=1)
     stored.scales.copy_(scale)
-    ratio = magnitudes / scale.repeat_interleave(BLOCK)[:n]
-    ratio = torch.nan_to_num(ratio, nan=0.0)  # 0/0 in an all-zero block
+    ratio = magnitudes * (1.0 / scale).repeat_interleave(BLOCK)[:n]
+    ratio = torch.nan_to_num(ratio, nan=0.0)  # 0 * inf in an all-zero block
+    ratio = torch.where(ratio < smallest, 0.0, ratio)
     levels = eight_bit_levels(signed, x.device)
     low = (torch.bucketize(ratio, levels, right=True) - 1).clamp_(0, levels.numel() - 2)
     below, above = levels[low], levels[low + 1]
-    up = (ratio - below) / (above - below)
     if stochastic:
-        threshold = hash32(seed, start, start + n, x.device).to(torch.float32) / 65536.0
+        threshold = hash32(seed, start, start + n, x.device).to(torch.float32) * 2.0**-16
     else:
-        threshold = torch.full_like(up, 0.5)
-    code = low + (up > threshold).to(torch.int64)
+        threshold = torch.full_like(ratio, 0.5)
+    code = low + (ratio - below > threshold * (above - below)).to(torch.int64)
     non_finite = rounding.EIGHT_BIT_NON_FINITE[signed]
     if signed:  # no -0: its code is the non-finite one
         code = torch.where((x < 0) & (code > 0), code + 128, code)

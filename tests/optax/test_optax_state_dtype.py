@@ -1,8 +1,8 @@
-"""qhoptim.optax with ``state_dtype``: state in bfloat16, stochastically rounded.
+"""qhoptim.optax with ``state_dtype``: state in bfloat16 or 8 bits, stochastically rounded.
 
 The rounding is :mod:`qhoptim.rounding`'s, bit for bit (so the same as torch's,
-Keras's and MLX's); the trajectories follow float32 state's on the conformance
-problems; a resumed run rounds as the uninterrupted one.
+Keras's and MLX's; torch's too for 8 bits); the trajectories follow float32
+state's on the conformance problems; a resumed run rounds as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 
 import qhoptim.optax as qho
 from conformance.adapters.optax import make_transformation
-from conformance.cases import narrow_state_cases, narrow_state_tolerance
+from conformance.cases import eight_bit_tolerance, narrow_state_cases, narrow_state_tolerance
 from conformance.problems import get_problem
 from qhoptim import rounding
 
-BF16 = jnp.bfloat16
+BF16, U8 = jnp.bfloat16, jnp.uint8
 OPTIMIZERS = {
     "qhm": lambda **kw: qho.qhm(0.1, momentum=0.9, nu=0.7, **kw),
     "qhadam": lambda **kw: qho.qhadam(1e-2, nu1=0.7, **kw),
@@ -68,8 +68,9 @@ def test_the_state_is_stored_in_bfloat16_at_half_the_bytes(name: str) -> None:
 def test_the_rounding_is_the_rule_every_backend_follows() -> None:
     # QHM with momentum 0 stores the gradient itself, rounded; the leaf at
     # position 1 of the pytree ("b": keys are sorted) is state index 4 * 1.
-    params = {"a": jnp.zeros(3), "b": jnp.zeros((50, 7)), "c": jnp.zeros(2)}
-    g = jnp.asarray(np.random.default_rng(3).standard_normal((50, 7)), jnp.float32) * 1e-3
+    # Three dimensions: each element's row-major position counts its strides.
+    params = {"a": jnp.zeros(3), "b": jnp.zeros((5, 10, 7)), "c": jnp.zeros(2)}
+    g = jnp.asarray(np.random.default_rng(3).standard_normal((5, 10, 7)), jnp.float32) * 1e-3
     grads = {"a": jnp.ones(3), "b": g, "c": jnp.ones(2)}
     tx = qho.scale_by_qhm(momentum=0.0, nu=0.7, state_dtype=BF16)
     state = tx.init(params)
@@ -81,9 +82,10 @@ def test_the_rounding_is_the_rule_every_backend_follows() -> None:
         assert not np.array_equal(stored, np.asarray(g.astype(BF16)).view(np.uint16))
 
 
+@pytest.mark.parametrize("state_dtype", [BF16, U8], ids=["bfloat16", "8-bit"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_resumed_run_rounds_as_the_uninterrupted_one(name: str) -> None:
-    tx = OPTIMIZERS[name](state_dtype=BF16)
+def test_a_resumed_run_rounds_as_the_uninterrupted_one(name: str, state_dtype: Any) -> None:
+    tx = OPTIMIZERS[name](state_dtype=state_dtype)
     params = _params()
     straight = _run(tx, params, tx.init(params), range(10))[0]
     half_params, half_state = _run(tx, params, tx.init(params), range(5))
@@ -163,10 +165,13 @@ def test_the_plain_state_is_refused_where_the_counted_one_is_needed() -> None:
         qho.scale_by_qhm(state_dtype=BF16).update(_grads(params, 0), plain_state)
 
 
+@pytest.mark.parametrize("state_dtype", [BF16, U8], ids=["bfloat16", "8-bit"])
 @pytest.mark.parametrize(
     "case", narrow_state_cases() + narrow_state_cases(("qhmuon",)), ids=lambda c: c.name
 )
-def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
+def test_narrow_state_follows_float32_state_on_the_conformance_problems(
+    case: Any, state_dtype: Any
+) -> None:
     problem = get_problem(case.problem_name)
 
     def trajectory(**options: Any) -> np.ndarray:
@@ -182,6 +187,102 @@ def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: 
             out.append(problem.join([np.asarray(p, np.float64) for p in params]))
         return np.array(out)
 
-    wide, narrow = trajectory(), trajectory(state_dtype=BF16)
+    wide, narrow = trajectory(), trajectory(state_dtype=state_dtype)
     relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
-    assert relative.max() <= narrow_state_tolerance(case)
+    bound = narrow_state_tolerance(case) if state_dtype == BF16 else eight_bit_tolerance(case)
+    assert relative.max() <= bound
+
+
+# ------------------------------------------------------------------ 8-bit state
+def _packed_bytes(state: Any) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim > 0)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_8_bit_state_takes_a_byte_and_a_share_of_a_scale_per_value(name: str) -> None:
+    params = _params()
+    tx = OPTIMIZERS[name](state_dtype=U8)
+    state = _run(tx, params, tx.init(params), range(2))[1]
+    arrays = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, qho.EightBitArray))
+    stored = [x for x in arrays if isinstance(x, qho.EightBitArray)]
+    per_parameter = {"qhm": 1, "qhadam": 2, "qhadamw-amsgrad": 3}[name]
+    assert len(stored) == per_parameter * len(params)
+    for x in stored:
+        assert x.codes.dtype == jnp.uint8 and x.scales.dtype == jnp.float32
+        assert x.scales.shape == (-(-x.codes.size // 256),)
+    want = sum(p.size + 4 * -(-p.size // 256) for p in params.values())
+    assert _packed_bytes(state) == per_parameter * want
+
+
+def test_the_8_bit_codes_are_the_rule_every_backend_follows() -> None:
+    # QHAdam with betas 0 stores the gradient (signed) and its square
+    # (unsigned), encoded: the leaf at position 1 ("b") is state index 4 * 1
+    # (+ 1 for the second moment). A NaN keeps to its own code; a block of
+    # zeros, a partial last block and tiny values are in there too.
+    g = np.random.default_rng(3).standard_normal((50, 7)).astype(np.float32)
+    g[3, 3], g[10:20] = np.nan, 0.0
+    g[30:40] *= np.float32(1e-6)
+    params = {"a": jnp.zeros(3), "b": jnp.zeros((50, 7)), "c": jnp.zeros(2)}
+    grads = {"a": jnp.ones(3), "b": jnp.asarray(g), "c": jnp.ones(2)}
+    for stochastic in (None, False):
+        tx = qho.scale_by_qhadam(b1=0.0, b2=0.0, state_dtype=U8, stochastic_rounding=stochastic)
+        state = tx.init(params)
+        for step in (1, 2):
+            _, state = jax.jit(tx.update)(grads, state)
+            for k, (moment, values) in enumerate(((state.mu, g), (state.nu, g * g))):
+                seed = rounding.rounding_seed(step, 4 * 1 + k)
+                signed = k == 0
+                codes, scales = rounding.eight_bit_encode_reference(
+                    values, signed, seed, stochastic is None
+                )
+                stored = moment["b"]
+                assert stored.signed == signed
+                assert np.array_equal(np.asarray(stored.codes).reshape(-1), codes)
+                assert np.array_equal(np.asarray(stored.scales), scales)
+                decoded = np.asarray(qho.decoded_state(moment)["b"]).reshape(-1)
+                want = rounding.eight_bit_decode_reference(codes, scales, signed)
+                assert np.array_equal(decoded, want, equal_nan=True)
+
+
+def test_decoded_state_reads_8_bit_state_and_changes_nothing() -> None:
+    params = _params()
+    tx = OPTIMIZERS["qhadamw-amsgrad"](state_dtype=U8)
+    params, state = _run(tx, params, tx.init(params), range(3))
+    saved = jax.tree.map(np.asarray, state)
+    decoded = qho.decoded_state(state)
+    inner = decoded[0]
+    assert isinstance(inner, qho.ScaleByQHAdamAmsgradState)
+    wide = OPTIMIZERS["qhadamw-amsgrad"]()
+    wide_state = _run(wide, _params(), wide.init(_params()), range(3))[1][0]
+    for field in ("mu", "nu", "nu_max"):
+        for k, p in params.items():
+            value = getattr(inner, field)[k]
+            assert value.dtype == jnp.float32 and value.shape == p.shape
+            # within a level (9%) of the block's largest magnitude of the float32 state
+            reference = np.asarray(getattr(wide_state, field)[k])
+            scale = np.abs(reference).max()
+            assert np.abs(np.asarray(value) - reference).max() <= 0.25 * scale
+    assert jax.tree.all(jax.tree.map(np.array_equal, saved, jax.tree.map(np.asarray, state)))
+    # A state without 8-bit arrays reads as itself.
+    plain = qho.qhadam(1e-2).init(params)
+    assert qho.decoded_state(plain) is not None
+    assert jax.tree.all(jax.tree.map(np.array_equal, qho.decoded_state(plain), plain))
+
+
+def test_8_bit_codes_of_values_over_sixty_decades_are_the_rules() -> None:
+    # A million values whose blocks' scales span 1e-13 .. 1e13: the
+    # reciprocal-of-the-scale products and the threshold products land on
+    # the reference's side of every level (XLA's own arithmetic, no division).
+    rng = np.random.default_rng(1)
+    n = 1_000_003  # a partial last block
+    decades = np.exp(rng.uniform(-30, 30, n // 256 + 1)).repeat(256)[:n]
+    g = (rng.standard_normal(n) * decades).astype(np.float32)
+    tx = qho.scale_by_qhadam(b1=0.0, b2=0.0, state_dtype=U8)
+    params = {"w": jnp.zeros(n)}
+    _, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, tx.init(params))
+    for k, (moment, values) in enumerate(((state.mu, g), (state.nu, g * g))):
+        codes, scales = rounding.eight_bit_encode_reference(
+            values, k == 0, rounding.rounding_seed(1, k), True
+        )
+        assert np.array_equal(np.asarray(moment["w"].codes), codes)
+        assert np.array_equal(np.asarray(moment["w"].scales), scales)

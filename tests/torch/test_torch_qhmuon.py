@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conformance.cases import narrow_state_cases, narrow_state_tolerance
+from conformance.cases import eight_bit_tolerance, narrow_state_cases, narrow_state_tolerance
 from conformance.problems import get_problem
 from qhoptim import convert, reference
 from qhoptim.torch import QHAdam, QHMuon, _state_dtype, qhmuon
@@ -262,7 +262,7 @@ def _deviation(case: Any, state_dtype: torch.dtype) -> float:
 @pytest.mark.parametrize("case", narrow_state_cases(("qhmuon",)), ids=lambda c: c.name)
 def test_narrow_state_follows_float32_state_on_the_conformance_matrices(case: Any) -> None:
     assert _deviation(case, BF16) <= narrow_state_tolerance(case)
-    assert _deviation(case, U8) <= 0.1
+    assert _deviation(case, U8) <= eight_bit_tolerance(case)
 
 
 def test_a_matrix_larger_than_a_working_copy_chunk_steps_whole(monkeypatch: Any) -> None:

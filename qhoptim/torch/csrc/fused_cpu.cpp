@@ -406,8 +406,11 @@ void stochastic_round_(at::Tensor dst, at::Tensor src, int64_t seed, int64_t sta
 // to the same bytes). `levels` are qhoptim.rounding.eight_bit_levels: 0 and a
 // geometric ladder to 1, ascending; a signed state's codes keep the sign in
 // their top bit. Each block of kBlock values has a float32 scale, its largest
-// magnitude (NaN if it holds one).
+// finite magnitude.
 constexpr int64_t kBlock = 256;
+// Magnitudes and ratios below float32's smallest normal number are read as 0
+// (qhoptim.rounding.EIGHT_BIT_SMALLEST).
+constexpr float kSmallestNormal = std::numeric_limits<float>::min();
 
 // The codes of non-finite values (qhoptim.rounding.EIGHT_BIT_NON_FINITE): a
 // signed state's NaN or infinity (its "-0", otherwise unused) reads back as
@@ -454,7 +457,8 @@ inline float block_scale(const float* __restrict__ x, int len) {
     int32_t bits;
     std::memcpy(&bits, &x[i], sizeof(bits));
     bits &= 0x7FFFFFFF;
-    largest = std::max(largest, bits < 0x7F800000 ? bits : 0);
+    // Finite and normal: a subnormal magnitude counts as 0 (the 8-bit rule's flush).
+    largest = std::max(largest, bits < 0x7F800000 && bits >= 0x00800000 ? bits : 0);
   }
   float scale;
   std::memcpy(&scale, &largest, sizeof(scale));
@@ -484,14 +488,17 @@ inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, 
 // tensor, the noise's counter) into `c`.
 template <bool SIGNED, bool STOCHASTIC, bool FOLD>
 inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, int64_t first,
-                          int len, float scale, const Ladder ladder, uint32_t s) {
+                          int len, float inverse_scale, const Ladder ladder, uint32_t s) {
   const float* __restrict__ lv = ladder.lv;
   const int nl = ladder.nl, per_octave = ladder.per_octave;
   for (int i = 0; i < len; ++i) {
-    const float magnitude = std::fabs(x[i]);
-    const bool finite = magnitude <= std::numeric_limits<float>::max();
-    float ratio = magnitude / scale;
-    ratio = ratio != ratio ? 0.0f : ratio;  // 0/0 in an all-zero block
+    const float absolute = std::fabs(x[i]);
+    const bool finite = absolute <= std::numeric_limits<float>::max();
+    // Subnormal magnitudes and ratios count as 0 (qhoptim.rounding's rule:
+    // the bytes do not depend on a flush-to-zero mode, XLA's on CPU).
+    const float magnitude = absolute < kSmallestNormal ? 0.0f : absolute;
+    float ratio = magnitude * inverse_scale;
+    ratio = ratio != ratio || ratio < kSmallestNormal ? 0.0f : ratio;  // 0 * inf: all-zero block
     // The last level <= ratio (the table decides): a first guess of
     // per_octave * log2(ratio) from the float's exponent and the top of its
     // mantissa (within a level of the truth), then a step along the table,
@@ -506,12 +513,13 @@ inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, 
     low += lv[low + 1] <= ratio ? 1 : 0;
     low = std::min(low, nl - 2);
     const float below = lv[low], above = lv[low + 1];
-    const float up = (ratio - below) / (above - below);
     float threshold = 0.5f;
     if constexpr (STOCHASTIC) {
-      threshold = static_cast<float>(hash32(s, position_of<FOLD>(first, i)) & 0xFFFFu) / 65536.0f;
+      threshold = static_cast<float>(hash32(s, position_of<FOLD>(first, i)) & 0xFFFFu) * 0x1p-16f;
     }
-    int code = low + (up > threshold ? 1 : 0);
+    // Up with probability (ratio - below) / (above - below): compared as a
+    // product, no division per value.
+    int code = low + (ratio - below > threshold * (above - below) ? 1 : 0);
     if constexpr (SIGNED) {
       const int negative = x[i] < 0.0f;
       const int nonzero = code > 0;
@@ -542,9 +550,10 @@ inline void encode_block(uint8_t* c, float* scale_out, const float* x, int64_t f
   const int n = static_cast<int>(len);
   const float scale = block_scale(x, n);
   *scale_out = scale;
+  const float inverse_scale = 1.0f / scale;  // once per block: ratios are products
   auto encode = [&](auto signed_tag, auto stochastic_tag, auto fold_tag) {
     encode_values<decltype(signed_tag)::value, decltype(stochastic_tag)::value,
-                  decltype(fold_tag)::value>(c, x, first, n, scale, ladder, s);
+                  decltype(fold_tag)::value>(c, x, first, n, inverse_scale, ladder, s);
   };
   auto with_fold = [&](auto signed_tag, auto stochastic_tag) {
     needs_fold(first, len) ? encode(signed_tag, stochastic_tag, std::true_type{})
