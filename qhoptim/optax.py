@@ -353,15 +353,10 @@ def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -
         threshold = _noise16(x.shape, seed).astype(jnp.float32) * 2.0**-16
     else:
         threshold = jnp.float32(0.5)
-    # Up with probability (ratio - below) / (above - below), without a division.
-    code = low + (ratio - below > threshold * (above - below)).astype(low.dtype)
-    non_finite = rounding.EIGHT_BIT_NON_FINITE[signed]
-    if signed:  # no -0: its code is the non-finite one
-        code = jnp.where((x < 0) & (code > 0), code + 128, code)
-    else:  # a positive second moment is never stored as 0, nor as the code of inf
-        code = jnp.where((code <= non_finite) & (ratio > 0), non_finite + 1, code)
-    codes = jnp.where(finite, code, non_finite).astype(jnp.uint8)
-    return EightBitArray(codes.reshape(value.shape), scales, signed)
+    code = rounding.eight_bit_code(
+        x, finite, ratio, low, below, above, threshold, signed, jnp.where
+    )
+    return EightBitArray(code.astype(jnp.uint8).reshape(value.shape), scales, signed)
 
 
 def _load(stored: jax.Array | EightBitArray, dtype: Any) -> jax.Array:

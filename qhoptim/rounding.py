@@ -54,6 +54,7 @@ __all__ = [
     "check_second_moment_dtype",
     "check_state_dtype",
     "check_stochastic_rounding",
+    "eight_bit_code",
     "eight_bit_decode_reference",
     "eight_bit_encode_reference",
     "eight_bit_levels",
@@ -323,13 +324,37 @@ def eight_bit_encode_reference(
         threshold = noise16(positions, np.uint32(seed), u32).astype(np.float32) / np.float32(65536)
     else:
         threshold = np.float32(0.5)
+    code = eight_bit_code(x, finite, ratio, low, below, above, threshold, signed, np.where)
+    return code.astype(np.uint8), scales
+
+
+def eight_bit_code(
+    x: Any,
+    finite: Any,
+    ratio: Any,
+    low: Any,
+    below: Any,
+    above: Any,
+    threshold: Any,
+    signed: bool,
+    where: Callable[[Any, Any, Any], Any],
+) -> Any:
+    """The code of each value ``x`` of an 8-bit state, from its ``ratio`` to
+    its block's scale, the levels ``below <= ratio < above`` (the index of
+    ``below``: ``low``) and its ``threshold`` (the noise over 2**16, or 0.5):
+    the rule of :func:`eight_bit_encode_reference`, written once for the
+    arrays of any backend (``where``: its select; integer codes, to be cast
+    to uint8). Up with probability ``(ratio - below) / (above - below)``,
+    compared as a product; a negative value of a signed state sets bit 7 (no
+    -0: that code is the non-finite one); a positive value of an unsigned
+    state is never stored as 0, nor as the code of inf."""
     code = low + (ratio - below > threshold * (above - below))
     non_finite = EIGHT_BIT_NON_FINITE[signed]
     if signed:
-        code = np.where((x < 0) & (code > 0), code + 128, code)
+        code = where((x < 0) & (code > 0), code + 128, code)
     else:
-        code = np.where((code <= non_finite) & (ratio > 0), non_finite + 1, code)
-    return np.where(finite, code, non_finite).astype(np.uint8), scales
+        code = where((code <= non_finite) & (ratio > 0), non_finite + 1, code)
+    return where(finite, code, non_finite)
 
 
 def eight_bit_decode_reference(codes: Any, scales: Any, signed: bool) -> Any:

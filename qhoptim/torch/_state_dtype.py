@@ -305,13 +305,10 @@ def quantize_(
         threshold = hash32(seed, start, start + n, x.device).to(torch.float32) * 2.0**-16
     else:
         threshold = torch.full_like(ratio, 0.5)
-    code = low + (ratio - below > threshold * (above - below)).to(torch.int64)
-    non_finite = rounding.EIGHT_BIT_NON_FINITE[signed]
-    if signed:  # no -0: its code is the non-finite one
-        code = torch.where((x < 0) & (code > 0), code + 128, code)
-    else:  # a positive second moment is never stored as 0, nor as the code of inf
-        code = torch.where((code <= non_finite) & (ratio > 0), non_finite + 1, code)
-    stored.codes.copy_(torch.where(finite, code, non_finite))
+    code = rounding.eight_bit_code(
+        x, finite, ratio, low, below, above, threshold, signed, torch.where
+    )
+    stored.codes.copy_(code)
 
 
 def converted(
