@@ -304,7 +304,8 @@ def _blocked(x: jax.Array) -> jax.Array:
     flat = x.reshape(-1)
     blocks = -(-flat.size // rounding.EIGHT_BIT_BLOCK)
     padded = jnp.pad(flat, (0, blocks * rounding.EIGHT_BIT_BLOCK - flat.size))
-    return padded.reshape(blocks, rounding.EIGHT_BIT_BLOCK)
+    rows: jax.Array = padded.reshape(blocks, rounding.EIGHT_BIT_BLOCK)
+    return rows
 
 
 def _decode(stored: EightBitArray) -> jax.Array:
