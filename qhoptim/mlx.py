@@ -83,8 +83,7 @@ def _stored(value: mx.array, dtype: mx.Dtype, seed: mx.array | None) -> mx.array
     positions = mx.arange(x.size, dtype=mx.uint32).reshape(x.shape)
     noise = rounding.noise16(positions, seed, _BITS)
     bits: mx.array = rounding.round_bits(x.view(mx.uint32), noise, _BITS)
-    # The kept top half is the bfloat16 (no conversion's rounding to run).
-    return (bits >> 16).astype(mx.uint16).view(mx.bfloat16)
+    return bits.view(mx.float32).astype(mx.bfloat16)
 
 
 # One parameter's step, compiled: MLX fuses it into one kernel (on the CPU it
