@@ -208,9 +208,9 @@ def fused_qhm(
 ) -> None:
     """One fused QHM step (coefficients of :func:`qhoptim.rules.qhm_coefficients`).
 
-    ``state_seeds`` (CPU, float32 parameters): the momentum buffers are
-    bfloat16 or 8-bit, rounded stochastically with these seeds (``[seed]`` per
-    tensor, :mod:`qhoptim.torch._state_dtype`).
+    ``state_seeds`` (float32 parameters): the momentum buffers are bfloat16
+    (or, on CPU, 8-bit), rounded stochastically with these seeds (``[seed]``
+    per tensor, :mod:`qhoptim.torch._state_dtype`).
     """
     if not params:  # nothing to step (torch's grouping refuses empty lists)
         return
@@ -220,7 +220,10 @@ def fused_qhm(
         seeds = _seed_table(state_seeds, indices, device)
         with _Contiguous(*lists) as (ps, gs, bufs):
             if runs_triton(device):  # a gradient overlapping its parameter: copied there
-                _triton().qhm_(ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf)
+                _triton().qhm_(
+                    ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf,
+                    seeds=None if state_seeds is None else seeds,
+                )  # fmt: skip
                 continue
             if skipped(found_inf):
                 continue
@@ -263,14 +266,14 @@ def _ladders(signed: tuple[bool, ...]) -> tuple[Any, ...]:
 def _seed_table(
     state_seeds: list[list[int]] | None, indices: list[int], device: torch.device
 ) -> Tensor:
-    """The C++ kernel's ``seeds`` for the tensors at ``indices``: int64 ``[n, 3]``,
-    or empty for a state of the parameters' dtype."""
+    """The kernels' ``seeds`` for the tensors at ``indices``: int64 ``[n, 3]``
+    (on the device, for the Triton kernels), or empty for a state of the
+    parameters' dtype."""
     if state_seeds is None:
         return _NO_SEEDS
-    if device.type != "cpu":
-        raise ValueError("a bfloat16 state_dtype steps through the fused kernel on CPU only")
     rows = [[*state_seeds[i], 0, 0, 0][:3] for i in indices]
-    return torch.tensor(rows, dtype=torch.int64)
+    table = torch.tensor(rows, dtype=torch.int64)
+    return table.to(device) if runs_triton(device) else table
 
 
 def fused_qhadam(
@@ -294,8 +297,9 @@ def fused_qhadam(
     computed from, or -- ``capturable`` -- on the parameters' devices, where
     the Triton kernels' coefficients are evaluated. With ``hp.amsgrad``
     ``max_exp_avg_sqs`` are the running maxima the denominator reads.
-    ``state_seeds`` (CPU, float32 parameters): the moments are bfloat16,
-    rounded stochastically with these seeds (one per moment and tensor).
+    ``state_seeds`` (float32 parameters): the moments are bfloat16 (or, on
+    CPU, 8-bit), rounded stochastically with these seeds (one per moment and
+    tensor).
     """
     if not params:  # nothing to step (torch's grouping refuses empty lists)
         return
@@ -378,8 +382,9 @@ def _qhadam_numbers_(
     if runs_triton(device):
         max_exp_avg_sqs = vs[0] if vs else None
         _triton().qhadam_(
-            ps, gs, ms, ss, max_exp_avg_sqs, steps, hp, grad_scale=grad_scale, found_inf=None
-        )
+            ps, gs, ms, ss, max_exp_avg_sqs, steps, hp, grad_scale=grad_scale, found_inf=None,
+            seeds=seeds if seeds.numel() else None,
+        )  # fmt: skip
         return
     lr = float(hp.lr)
     coupled, decay = _decay(hp, lr)

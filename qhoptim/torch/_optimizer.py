@@ -26,7 +26,7 @@ from torch.optim.optimizer import (
 from qhoptim import validation
 from qhoptim.torch import _extension, _fused, _state_dtype
 from qhoptim.torch._state_dict import check_state_dict
-from qhoptim.torch._tensors import copy_count, scalar_dtype, value_of
+from qhoptim.torch._tensors import copy_count, runs_triton, scalar_dtype, value_of
 
 _TORCH_FLAGS = {
     "maximize": False,
@@ -287,6 +287,7 @@ class NarrowStateOptimizer(Optimizer):
         return (
             not whole_tensors
             and all(p.device.type == "cpu" for p in params)
+            and not runs_triton(torch.device("cpu"))  # Triton's interpreter: fused=True's only
             and _extension.cpu_kernel_available()
         )
 

@@ -337,10 +337,11 @@ def qhm(
     torch's functional signature; complex tensors are recognised per tensor.
     ``fused=True`` takes the fused kernels (``grad_scale`` and ``found_inf``
     as ``torch.amp.GradScaler`` sets them on the optimizer). ``state_seeds``
-    (float32 CPU parameters): the buffers are bfloat16 or 8-bit
+    (float32 parameters): the buffers are bfloat16 or 8-bit
     (``QHM(state_dtype=...)``), stepped by the fused CPU kernel whatever
-    ``foreach`` and ``fused`` say and rounded stochastically with these seeds,
-    ``[seed]`` per tensor.
+    ``foreach`` and ``fused`` say (on CUDA, bfloat16 with ``fused=True``: the
+    Triton kernel) and rounded stochastically with these seeds, ``[seed]`` per
+    tensor.
     """
     hp = _tensors.QHMHyperparameters(
         scalar_lr(lr), momentum, nu, weight_decay, decoupled_weight_decay, maximize

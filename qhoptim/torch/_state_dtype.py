@@ -2,10 +2,13 @@
 
 QHM's momentum buffer and QHAdam's moments are stored in ``state_dtype``
 (``torch.bfloat16`` halves a float32 model's state: QHAdam 8 -> 4 bytes per
-parameter, QHM 4 -> 2). A step runs the ordinary kernels (per-tensor,
-foreach or fused) on working copies in the parameters' dtype, made for a few
-million values at a time, so that the step's peak memory falls with the
-stored state; the result is written back rounded to ``state_dtype``.
+parameter, QHM 4 -> 2). A fused kernel reads and writes the narrow state
+itself where it can (:func:`in_fused_kernel`: the C++ kernel on CPU, every
+path; the Triton kernels for bfloat16 with ``fused=True`` on CUDA); any other
+step runs the ordinary kernels (per-tensor, foreach or fused) on working
+copies in the parameters' dtype, made for a few million values at a time, so
+that the step's peak memory falls with the stored state, and writes the
+result back rounded to ``state_dtype``.
 
 Rounding to bfloat16 is stochastic by default: bfloat16 keeps 8 significant
 bits, and round-to-nearest would lose every EWMA increment smaller than half
@@ -108,16 +111,18 @@ def in_fused_kernel(
     stochastic_rounding: bool | None,
     params: Sequence[Tensor],
 ) -> bool:
-    """Whether the fused CPU kernel steps these parameters' narrow state itself:
-    ``fused``, float32 CPU parameters that the C++ kernel takes, bfloat16 or
-    8-bit state, stochastic rounding."""
-    return (
-        fused
-        and state_dtype in (torch.bfloat16, torch.uint8)
-        and stochastic_rounding is not False
-        and not runs_triton(torch.device("cpu"))
-        and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
-    )
+    """Whether a fused kernel steps these parameters' narrow state itself, in
+    its one pass: ``fused``, float32 parameters, stochastic rounding, and
+    bfloat16 or 8-bit state in the C++ kernel (CPU) or bfloat16 state in the
+    Triton kernels (CUDA, or CPU under Triton's interpreter)."""
+    if not (fused and stochastic_rounding is not False and params):
+        return False
+    if not all(p.dtype == torch.float32 for p in params):
+        return False
+    devices = {p.device for p in params}
+    if all(runs_triton(d) for d in devices):
+        return state_dtype == torch.bfloat16
+    return state_dtype in (torch.bfloat16, torch.uint8) and all(d.type == "cpu" for d in devices)
 
 
 def rounding_seed(step: float, index: int) -> int:
@@ -469,8 +474,9 @@ def step_narrow_state(
 
     ``run(at, params, grads, state_lists, seeds)`` is the functional step of
     ``params`` (the entries ``at`` of the given lists, repeated for each slice
-    of a large tensor). A bfloat16 state of float32 CPU parameters that the
-    fused kernel can take (:func:`in_fused_kernel`) steps there, in one call,
+    of a large tensor). A narrow state of float32 parameters that a fused
+    kernel can take (:func:`in_fused_kernel`: the C++ kernel on CPU, the
+    Triton kernels for bfloat16 on CUDA) steps there, in one call,
     the kernel rounding it with ``seeds`` (:func:`state_seeds` of ``steps``,
     the number of the step being taken, and ``positions``, each parameter's in
     its optimizer); any other steps on working copies in the parameters' dtype

@@ -64,6 +64,7 @@ _JIT = {"do_not_specialize": ["n_tensors", "row_stride"]}
 if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
     _JIT["do_not_specialize_on_alignment"] = [
         *("addrs", "numels", "block_tensor", "block_start", "table", "scale_ptr", "inf_ptr"),
+        "seeds",
         *("counts", "rows", "hyper", "lr_ptr"),
     ]
 
@@ -225,6 +226,43 @@ def _coefficient(value, table, k, IN_TABLE, COMPUTE):
 
 
 @triton.jit
+def _mix32(x):
+    """qhoptim.rounding.mix32 (lowbias32) on uint32 values."""
+    x = x ^ (x >> 16)
+    x = x * tl.full((), 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((), 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _load_state(ptr, offs, mask, NARROW, COMPUTE):
+    """A state as the step computes with it: a bfloat16 state (``NARROW``: its
+    bits, read as uint16) widened exactly, by its bits, to float32."""
+    if NARROW:
+        bits = tl.load(ptr + offs, mask=mask).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True).to(COMPUTE)
+    return tl.load(ptr + offs, mask=mask).to(COMPUTE)
+
+
+@triton.jit
+def _store_state(ptr, offs, mask, value, seeds, t, k, NARROW, DTYPE):
+    """Store a state's new ``value``: a bfloat16 state (``NARROW``) rounded
+    stochastically by qhoptim.rounding's rule -- 16 bits of noise, the hash of
+    the element's position under the seed of state ``k`` of tensor ``t``, added
+    to the float32's bits and the top half kept (rounding.round_bits) -- the
+    bits the CPU kernel and every backend store."""
+    if NARROW:
+        seed = tl.load(seeds + 3 * t + k).to(tl.uint32)
+        position = offs.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)
+        noise = _mix32(position ^ seed) & 0xFFFF
+        bits = value.to(tl.float32).to(tl.uint32, bitcast=True) + noise
+        tl.store(ptr + offs, (bits >> 16).to(tl.uint16), mask=mask)
+    else:
+        tl.store(ptr + offs, value.to(DTYPE), mask=mask)
+
+
+@triton.jit
 def _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                HAS_SCALE, COMPUTE):  # fmt: skip
     """The gradient as the rule takes it: ``maximize``'s sign, GradScaler's
@@ -240,14 +278,14 @@ def _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scal
 def _qhm_kernel(
     addrs, numels, block_tensor, block_start, n_tensors, table,
     decay, buffer_value, grad_value, grad_multiplier, coupled_weight_decay, grad_to_buffer,
-    scale_ptr, inf_ptr,
+    scale_ptr, inf_ptr, seeds,
     IN_TABLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
-    DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+    NARROW: tl.constexpr, DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t, offs, mask = _block(numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
     p_ptr = _address(addrs, n_tensors, t, 0, DTYPE)
     g_ptr = _address(addrs, n_tensors, t, 1, DTYPE)
-    b_ptr = _address(addrs, n_tensors, t, 2, DTYPE)
+    b_ptr = _address(addrs, n_tensors, t, 2, tl.uint16 if NARROW else DTYPE)
     # rules.decoupled_decay_factor, rules.fold_qhm, maximize's sign, coupled
     # decay and rules.qhm_coefficients' grad_to_buffer (the order of _QHM_VALUES).
     decay = _coefficient(decay, table, 0, IN_TABLE, COMPUTE)
@@ -259,9 +297,9 @@ def _qhm_kernel(
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                    HAS_SCALE, COMPUTE)  # fmt: skip
-    b = _lerp(tl.load(b_ptr + offs, mask=mask).to(COMPUTE), g, grad_to_buffer)
+    b = _lerp(_load_state(b_ptr, offs, mask, NARROW, COMPUTE), g, grad_to_buffer)
     p = p * decay + buffer_value * b + grad_value * g
-    tl.store(b_ptr + offs, b.to(DTYPE), mask=mask)
+    _store_state(b_ptr, offs, mask, b, seeds, t, 0, NARROW, DTYPE)
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
@@ -271,16 +309,17 @@ def _qhadam_kernel(
     exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value, decay,
     grad_multiplier, coupled_weight_decay, grad_to_exp_avg, exp_avg_sq_decay,
     grad_sq_to_exp_avg_sq,
-    scale_ptr, inf_ptr,
+    scale_ptr, inf_ptr, seeds,
     FORM: tl.constexpr, AMSGRAD: tl.constexpr, IN_TABLE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, NARROW: tl.constexpr,
     DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t, offs, mask = _block(numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
+    STATE: tl.constexpr = tl.uint16 if NARROW else DTYPE
     p_ptr = _address(addrs, n_tensors, t, 0, DTYPE)
     g_ptr = _address(addrs, n_tensors, t, 1, DTYPE)
-    m_ptr = _address(addrs, n_tensors, t, 2, DTYPE)
-    s_ptr = _address(addrs, n_tensors, t, 3, DTYPE)
+    m_ptr = _address(addrs, n_tensors, t, 2, STATE)
+    s_ptr = _address(addrs, n_tensors, t, 3, STATE)
     # rules.FoldedQHAdam's weights, eps and values, rules.decoupled_decay_factor,
     # maximize's sign, coupled decay and rules.qhadam_moment_weights (the order
     # of _QHADAM_VALUES): scalars, one table row for the group (row_stride 0),
@@ -300,17 +339,17 @@ def _qhadam_kernel(
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                    HAS_SCALE, COMPUTE)  # fmt: skip
-    m = _lerp(tl.load(m_ptr + offs, mask=mask).to(COMPUTE), g, grad_to_exp_avg)
-    s = exp_avg_sq_decay * tl.load(s_ptr + offs, mask=mask).to(COMPUTE)
+    m = _lerp(_load_state(m_ptr, offs, mask, NARROW, COMPUTE), g, grad_to_exp_avg)
+    s = exp_avg_sq_decay * _load_state(s_ptr, offs, mask, NARROW, COMPUTE)
     s = s + grad_sq_to_exp_avg_sq * g * g
     # What the denominator reads: the second moment, or (AMSGrad) its running
     # maximum, rules.amsgrad_maximum (NaN if either is NaN, as torch.maximum).
     d = s
     if AMSGRAD:
-        v_ptr = _address(addrs, n_tensors, t, 4, DTYPE)
-        v = tl.load(v_ptr + offs, mask=mask).to(COMPUTE)
+        v_ptr = _address(addrs, n_tensors, t, 4, STATE)
+        v = _load_state(v_ptr, offs, mask, NARROW, COMPUTE)
         d = tl.where((v != v) | (s != s), v + s, tl.maximum(v, s))
-        tl.store(v_ptr + offs, d.to(DTYPE), mask=mask)
+        _store_state(v_ptr, offs, mask, d, seeds, t, 2, NARROW, DTYPE)
     if FORM == 0:
         base = tl.sqrt(exp_avg_sq_weight * d)
     elif FORM == 1:
@@ -318,8 +357,8 @@ def _qhadam_kernel(
     else:
         base = tl.sqrt(exp_avg_sq_weight * d + grad_sq_weight * (g * g))
     p = p * decay + (exp_avg_value * m + grad_value * g) / (base + eps)
-    tl.store(m_ptr + offs, m.to(DTYPE), mask=mask)
-    tl.store(s_ptr + offs, s.to(DTYPE), mask=mask)
+    _store_state(m_ptr, offs, mask, m, seeds, t, 0, NARROW, DTYPE)
+    _store_state(s_ptr, offs, mask, s, seeds, t, 1, NARROW, DTYPE)
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
@@ -403,7 +442,10 @@ def _launch(kernel: Any, grid: int, *args: Any, **kwargs: Any) -> None:
         kernel[(grid,)](*args, **kwargs)
         return
     types = tuple([a.dtype if isinstance(a, Tensor) else type(a) for a in args])
-    key = (kernel, args[0].device, types, *kwargs.items())
+    # Tensors by their dtypes: a launch compiled for one found_inf or seed table
+    # serves the next step's (the kernels take pointers, not specialized on them).
+    options = tuple([(k, v.dtype if isinstance(v, Tensor) else v) for k, v in kwargs.items()])
+    key = (kernel, args[0].device, types, options)
     compiled = _COMPILED.get(key)
     if compiled is None:  # the first launch of these: compiled, or found in Triton's caches
         _remember(_COMPILED, key, kernel[(grid,)](*args, **kwargs))
@@ -413,14 +455,19 @@ def _launch(kernel: Any, grid: int, *args: Any, **kwargs: Any) -> None:
 
 
 def _flags(
-    params: list[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None
+    params: list[Tensor],
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    seeds: Tensor | None = None,
 ) -> dict[str, Any]:
     dtype = params[0].dtype
     return {
         "scale_ptr": grad_scale if grad_scale is not None else params[0],
         "inf_ptr": found_inf if found_inf is not None else params[0],
+        "seeds": seeds if seeds is not None else params[0],
         "HAS_SCALE": grad_scale is not None,
         "HAS_INF": found_inf is not None,
+        "NARROW": seeds is not None,
         "DTYPE": _TL_DTYPES[dtype],
         "COMPUTE": tl.float64 if dtype == torch.float64 else tl.float32,
         "BLOCK": _BLOCK,
@@ -488,8 +535,12 @@ def qhm_(
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    seeds: Tensor | None = None,
 ) -> None:
-    """One fused QHM step over tensors of one device and dtype, contiguous."""
+    """One fused QHM step over tensors of one device and dtype, contiguous.
+
+    ``seeds`` (int64 ``[tensors, 3]`` on the device): the buffers are bfloat16,
+    rounded stochastically with each tensor's first seed."""
     layout = _layout([params, grads, momentum_buffers])
     if layout is None:  # only empty tensors
         return
@@ -518,7 +569,7 @@ def qhm_(
         table,
         *scalars,
         IN_TABLE=table is not params[0],
-        **_flags(params, grad_scale, found_inf),
+        **_flags(params, grad_scale, found_inf, seeds),
     )
 
 
@@ -553,6 +604,7 @@ def qhadam_(
     *,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    seeds: Tensor | None = None,
 ) -> None:
     """One fused QHAdam step over tensors of one device and dtype, contiguous.
 
@@ -561,7 +613,9 @@ def qhadam_(
     None: a skipped step is the caller's to skip), or the step counts as
     tensors on the device (a capturable step), advanced here -- but for a step
     GradScaler found an inf in, as torch's fused Adam does. With
-    ``hp.amsgrad``, ``max_exp_avg_sqs`` are the running maxima.
+    ``hp.amsgrad``, ``max_exp_avg_sqs`` are the running maxima. ``seeds``
+    (int64 ``[tensors, 3]`` on the device): the moments (and maxima) are
+    bfloat16, rounded stochastically with these seeds.
     """
     lists = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if hp.amsgrad else [])]
     on_device = isinstance(steps[0], Tensor) if steps else False
@@ -605,7 +659,7 @@ def qhadam_(
         FORM=_kernels.DENOMINATOR_FORMS[rules.qhadam_denominator(hp.nu2)],
         AMSGRAD=hp.amsgrad,
         IN_TABLE=table is not params[0],
-        **_flags(params, grad_scale, found_inf if on_device else None),
+        **_flags(params, grad_scale, found_inf if on_device else None, seeds),
     )
 
 

@@ -11,14 +11,17 @@ float32's range.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from qh_torch_testing import assert_trajectories_close, random_grads, reference_trajectory
 
+from qhoptim import rounding
 from qhoptim.torch import QHM, QHAdam, QHAdamW
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -205,3 +208,42 @@ def test_a_step_runs_one_kernel_per_device_and_dtype_on_cuda(
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 2, [e.name for e in kernels]  # float32 and bfloat16
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_a_bfloat16_state_steps_in_the_kernel_and_rounds_by_the_rule(
+    cls: type, kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fused=True reads and writes a bfloat16 state in the kernel's one pass,
+    # no float32 working copies: each step is the float32-state kernel's step
+    # from the widened state (the parameters bit for bit), its new state
+    # rounded by the rule every backend follows, with the state's seed.
+    from qhoptim.torch import _state_dtype
+
+    def no_working_copies(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the bfloat16 state stepped on float32 working copies")
+
+    monkeypatch.setattr(_state_dtype, "step_with_narrow_state", no_working_copies)
+    shapes = [(33, 5), (1000,), (7,)]
+    params = _params(shapes, F32)
+    narrow = cls(params, **kwargs, fused=True, state_dtype=torch.bfloat16)
+    for step, grads in enumerate(random_grads(shapes, 4, F32, seed=3), start=1):
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        wide = cls(copies, **kwargs, fused=True)
+        if step > 1:  # the narrow state, widened (exactly) by the load
+            wide.load_state_dict(copy.deepcopy(narrow.state_dict()))
+        for p, q, g in zip(params, copies, grads, strict=True):
+            p.grad, q.grad = g.to(DEVICE), g.to(DEVICE).clone()
+        narrow.step()
+        wide.step()
+        for position, (p, q) in enumerate(zip(params, copies, strict=True)):
+            assert torch.equal(p, q)
+            for k, key in enumerate(cls._STATE_LISTS):
+                if key not in narrow.state[p]:
+                    continue
+                stored = narrow.state[p][key]
+                assert stored.dtype == torch.bfloat16
+                want = rounding.stochastic_round_reference(
+                    wide.state[q][key].cpu().numpy(), step, rounding.state_index(position, k)
+                )
+                assert np.array_equal(stored.cpu().view(torch.int16).numpy().view(np.uint16), want)
