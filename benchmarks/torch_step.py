@@ -246,9 +246,12 @@ _BYTES = {
     # bfloat16 state (state_dtype): 2 bytes read and 2 written per state value
     "QHM fused, bfloat16 state": 16,
     "QHAdam fused, bfloat16 state": 20,
+    # 8-bit state: a byte read and written per state value (the scales: 1/64 more)
+    "QHM fused, 8-bit state": 14,
+    "QHAdam fused, 8-bit state": 16,
 }
-# Narrow state's fused steps, each against its float32-state twin (issue
-# targets: bfloat16 state at most 0.85x-0.9x of the float32-state step at 1e7-1e8).
+# Narrow state's fused steps, each against its float32-state twin (targets:
+# at most 0.9x the float32-state step, which moves more bytes, at 1e7-1e8).
 NARROW_FUSED = {
     "QHM fused, bfloat16 state": (
         lambda p: QHM(p, **QHM_KW, fused=True, state_dtype=torch.bfloat16),
@@ -256,6 +259,14 @@ NARROW_FUSED = {
     ),
     "QHAdam fused, bfloat16 state": (
         lambda p: QHAdam(p, **QHADAM_KW, fused=True, state_dtype=torch.bfloat16),
+        "QHAdam fused",
+    ),
+    "QHM fused, 8-bit state": (
+        lambda p: QHM(p, **QHM_KW, fused=True, state_dtype=torch.uint8),
+        "QHM fused",
+    ),
+    "QHAdam fused, 8-bit state": (
+        lambda p: QHAdam(p, **QHADAM_KW, fused=True, state_dtype=torch.uint8),
         "QHAdam fused",
     ),
 }

@@ -209,7 +209,7 @@ def fused_qhm(
     """One fused QHM step (coefficients of :func:`qhoptim.rules.qhm_coefficients`).
 
     ``state_seeds`` (float32 parameters): the momentum buffers are bfloat16
-    (or, on CPU, 8-bit), rounded stochastically with these seeds (``[seed]``
+    or 8-bit, rounded stochastically with these seeds (``[seed]``
     per tensor, :mod:`qhoptim.torch._state_dtype`).
     """
     if not params:  # nothing to step (torch's grouping refuses empty lists)
@@ -223,6 +223,7 @@ def fused_qhm(
                 _triton().qhm_(
                     ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf,
                     seeds=None if state_seeds is None else seeds,
+                    levels=_device_ladders(bufs, device),
                 )  # fmt: skip
                 continue
             if skipped(found_inf):
@@ -251,6 +252,14 @@ _NO_SEEDS = torch.empty(0, dtype=torch.int64)
 def _eight_bit(states: list[Tensor]) -> bool:
     """Whether a state list is 8-bit (:func:`qhoptim.torch._state_dtype.eight_bit`)."""
     return bool(states) and _state_dtype.eight_bit(states[0].dtype)
+
+
+def _device_ladders(states: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The Triton kernels' level tables (signed, unsigned) on ``device`` for an
+    8-bit state list, else None."""
+    if not _eight_bit(states):
+        return None
+    return _state_dtype.eight_bit_levels(True, device), _state_dtype.eight_bit_levels(False, device)
 
 
 def _ladders(signed: tuple[bool, ...]) -> tuple[Any, ...]:
@@ -297,9 +306,8 @@ def fused_qhadam(
     computed from, or -- ``capturable`` -- on the parameters' devices, where
     the Triton kernels' coefficients are evaluated. With ``hp.amsgrad``
     ``max_exp_avg_sqs`` are the running maxima the denominator reads.
-    ``state_seeds`` (float32 parameters): the moments are bfloat16 (or, on
-    CPU, 8-bit), rounded stochastically with these seeds (one per moment and
-    tensor).
+    ``state_seeds`` (float32 parameters): the moments are bfloat16 or 8-bit,
+    rounded stochastically with these seeds (one per moment and tensor).
     """
     if not params:  # nothing to step (torch's grouping refuses empty lists)
         return
@@ -383,7 +391,7 @@ def _qhadam_numbers_(
         max_exp_avg_sqs = vs[0] if vs else None
         _triton().qhadam_(
             ps, gs, ms, ss, max_exp_avg_sqs, steps, hp, grad_scale=grad_scale, found_inf=None,
-            seeds=seeds if seeds.numel() else None,
+            seeds=seeds if seeds.numel() else None, levels=_device_ladders(ms, device),
         )  # fmt: skip
         return
     lr = float(hp.lr)

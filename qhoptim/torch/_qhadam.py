@@ -598,9 +598,9 @@ def qhadam(
     (as ``torch.optim.adam``'s) needs ``max_exp_avg_sqs``, the running maxima
     of the second moments (real, zeros before the first step), updated here.
     ``state_seeds`` (float32 parameters; on CUDA with ``fused=True``): the
-    moments are bfloat16 (``QHAdam(state_dtype=torch.bfloat16)``; on CPU also
-    8-bit), stepped by a fused kernel and rounded stochastically with these
-    seeds, one per moment and tensor.
+    moments are bfloat16 or 8-bit (``QHAdam(state_dtype=...)``), stepped by a
+    fused kernel and rounded stochastically with these seeds, one per moment
+    and tensor.
     """
     if not torch.compiler.is_compiling() and not all(isinstance(t, Tensor) for t in state_steps):
         raise RuntimeError("`state_steps` must be a list of singleton tensors")

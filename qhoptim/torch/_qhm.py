@@ -339,8 +339,8 @@ def qhm(
     as ``torch.amp.GradScaler`` sets them on the optimizer). ``state_seeds``
     (float32 parameters): the buffers are bfloat16 or 8-bit
     (``QHM(state_dtype=...)``), stepped by the fused CPU kernel whatever
-    ``foreach`` and ``fused`` say (on CUDA, bfloat16 with ``fused=True``: the
-    Triton kernel) and rounded stochastically with these seeds, ``[seed]`` per
+    ``foreach`` and ``fused`` say (on CUDA, with ``fused=True``: the Triton
+    kernel) and rounded stochastically with these seeds, ``[seed]`` per
     tensor.
     """
     hp = _tensors.QHMHyperparameters(

@@ -4,7 +4,7 @@ QHM's momentum buffer and QHAdam's moments are stored in ``state_dtype``
 (``torch.bfloat16`` halves a float32 model's state: QHAdam 8 -> 4 bytes per
 parameter, QHM 4 -> 2). A fused kernel reads and writes the narrow state
 itself where it can (:func:`in_fused_kernel`: the C++ kernel on CPU, every
-path; the Triton kernels for bfloat16 with ``fused=True`` on CUDA); any other
+path; the Triton kernels with ``fused=True`` on CUDA); any other
 step runs the ordinary kernels (per-tensor, foreach or fused) on working
 copies in the parameters' dtype, made for a few million values at a time, so
 that the step's peak memory falls with the stored state, and writes the
@@ -113,16 +113,16 @@ def in_fused_kernel(
 ) -> bool:
     """Whether a fused kernel steps these parameters' narrow state itself, in
     its one pass: ``fused``, float32 parameters, stochastic rounding, and
-    bfloat16 or 8-bit state in the C++ kernel (CPU) or bfloat16 state in the
-    Triton kernels (CUDA, or CPU under Triton's interpreter)."""
+    bfloat16 or 8-bit state, in the C++ kernel (CPU) or the Triton kernels
+    (CUDA, or CPU under Triton's interpreter)."""
     if not (fused and stochastic_rounding is not False and params):
         return False
     if not all(p.dtype == torch.float32 for p in params):
         return False
     devices = {p.device for p in params}
-    if all(runs_triton(d) for d in devices):
-        return state_dtype == torch.bfloat16
-    return state_dtype in (torch.bfloat16, torch.uint8) and all(d.type == "cpu" for d in devices)
+    if all(runs_triton(d) for d in devices) or all(d.type == "cpu" for d in devices):
+        return state_dtype in (torch.bfloat16, torch.uint8)
+    return False
 
 
 def rounding_seed(step: float, index: int) -> int:
@@ -476,7 +476,7 @@ def step_narrow_state(
     ``params`` (the entries ``at`` of the given lists, repeated for each slice
     of a large tensor). A narrow state of float32 parameters that a fused
     kernel can take (:func:`in_fused_kernel`: the C++ kernel on CPU, the
-    Triton kernels for bfloat16 on CUDA) steps there, in one call,
+    Triton kernels on CUDA) steps there, in one call,
     the kernel rounding it with ``seeds`` (:func:`state_seeds` of ``steps``,
     the number of the step being taken, and ``positions``, each parameter's in
     its optimizer); any other steps on working copies in the parameters' dtype

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from qhoptim import rules
+from qhoptim import rounding, rules
 from qhoptim.torch import _kernels, _tensors
 
 __all__ = ["qhadam_", "qhm_"]
@@ -143,7 +143,8 @@ def _addresses(lists: list[list[Tensor]], device: torch.device) -> tuple[Tensor,
         n = len(params)
         sizes = [p.numel() for p in params]
         for ts in lists[1:]:
-            if [t.numel() for t in ts] != sizes:  # the kernel reads as many of each
+            # The kernel reads as many of each (an 8-bit state: their bytes).
+            if [t.numel() for t in ts] not in (sizes, _packed(sizes, ts)):
                 raise RuntimeError(
                     "fused=True: each gradient and state must have its parameter's number "
                     "of elements"
@@ -160,6 +161,14 @@ def _addresses(lists: list[list[Tensor]], device: torch.device) -> tuple[Tensor,
             lists = [params, grads, *lists[2:]]
             pointers = _pointers(lists)
     return _table(pointers, len(lists), device), lists[1]
+
+
+def _packed(sizes: list[int], ts: list[Tensor]) -> list[int] | None:
+    """The bytes of 8-bit states of ``sizes`` values (a scale per block of 256
+    and a code per value), where ``ts`` are uint8; else None."""
+    if not ts or ts[0].dtype != torch.uint8:
+        return None
+    return [4 * -(-n // rounding.EIGHT_BIT_BLOCK) + n for n in sizes]
 
 
 def _overlap(a: int, b: int, size: int) -> bool:
@@ -235,29 +244,104 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+# A state's storage (the kernels' NARROW): the parameters' dtype, bfloat16
+# (its bits, as uint16), or 8-bit blocks (qhoptim.torch._state_dtype.eight_bit:
+# one flat uint8 tensor, the float32 scales of its blocks of 256, then a code
+# per value).
+_SAME, _BFLOAT16, _EIGHT_BIT = 0, 1, 2
+
+
 @triton.jit
-def _load_state(ptr, offs, mask, NARROW, COMPUTE):
-    """A state as the step computes with it: a bfloat16 state (``NARROW``: its
-    bits, read as uint16) widened exactly, by its bits, to float32."""
-    if NARROW:
+def _noise16(offs, seeds, t, k):
+    """qhoptim.rounding.noise16 of the elements at ``offs`` under the seed of
+    state ``k`` of tensor ``t`` (positions past 2**32 folded as the CPU kernel
+    folds them)."""
+    seed = tl.load(seeds + 3 * t + k).to(tl.uint32)
+    position = (offs ^ (offs >> 32)).to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)
+    return _mix32(position ^ seed) & 0xFFFF
+
+
+@triton.jit
+def _eight_bit_parts(ptr, n):
+    """An 8-bit state's block scales and codes (its tensor holds ``n`` values)."""
+    blocks = (n + 255) // 256
+    return ptr.to(tl.pointer_type(tl.float32)), ptr + 4 * blocks
+
+
+@triton.jit
+def _load_state(ptr, offs, mask, n, levels, SIGNED, NARROW, COMPUTE):
+    """A state as the step computes with it: a bfloat16 state's bits widened
+    exactly to float32; an 8-bit state's codes decoded (level times scale,
+    bit 7 the sign of a ``SIGNED`` state, the non-finite code NaN or +inf:
+    qhoptim.rounding.eight_bit_decode_reference)."""
+    if NARROW == 1:
         bits = tl.load(ptr + offs, mask=mask).to(tl.uint32) << 16
         return bits.to(tl.float32, bitcast=True).to(COMPUTE)
+    if NARROW == 2:
+        scales, codes = _eight_bit_parts(ptr, n)
+        code = tl.load(codes + offs, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(scales + offs // 256, mask=mask, other=0.0)
+        if SIGNED:
+            value = tl.load(levels + (code & 127)) * scale
+            value = tl.where(code > 128, -value, value)
+            value = tl.where(code == 128, float("nan"), value)
+        else:
+            value = tl.load(levels + code) * scale
+            value = tl.where(code == 1, float("inf"), value)
+        return value.to(COMPUTE)
     return tl.load(ptr + offs, mask=mask).to(COMPUTE)
 
 
 @triton.jit
-def _store_state(ptr, offs, mask, value, seeds, t, k, NARROW, DTYPE):
-    """Store a state's new ``value``: a bfloat16 state (``NARROW``) rounded
-    stochastically by qhoptim.rounding's rule -- 16 bits of noise, the hash of
-    the element's position under the seed of state ``k`` of tensor ``t``, added
-    to the float32's bits and the top half kept (rounding.round_bits) -- the
-    bits the CPU kernel and every backend store."""
-    if NARROW:
-        seed = tl.load(seeds + 3 * t + k).to(tl.uint32)
-        position = offs.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)
-        noise = _mix32(position ^ seed) & 0xFFFF
-        bits = value.to(tl.float32).to(tl.uint32, bitcast=True) + noise
+def _store_state(ptr, offs, mask, value, n, levels, seeds, t, k, SIGNED, NARROW, DTYPE,
+                 BLOCK):  # fmt: skip
+    """Store a state's new ``value``, rounded by qhoptim.rounding's rule with
+    the noise of state ``k`` of tensor ``t`` -- the bits the CPU kernel and
+    every backend store: bfloat16 (``NARROW`` 1), the noise added to the
+    float32's bits and the top half kept (rounding.round_bits); 8-bit
+    (``NARROW`` 2), each block of 256 scaled by its largest finite magnitude
+    and each value one of the two levels around it
+    (rounding.eight_bit_encode_reference and rounding.eight_bit_code)."""
+    if NARROW == 1:
+        bits = value.to(tl.float32).to(tl.uint32, bitcast=True) + _noise16(offs, seeds, t, k)
         tl.store(ptr + offs, (bits >> 16).to(tl.uint16), mask=mask)
+    elif NARROW == 2:
+        scales, codes = _eight_bit_parts(ptr, n)
+        x = value.to(tl.float32)
+        absolute = tl.abs(x)
+        finite = absolute <= 3.4028234663852886e38
+        # Subnormal magnitudes and ratios read as 0 (rounding.EIGHT_BIT_SMALLEST).
+        magnitude = tl.where(finite & (absolute >= 1.1754943508222875e-38) & mask, absolute, 0.0)
+        rows = tl.reshape(magnitude, (BLOCK // 256, 256))
+        scale = tl.max(rows, axis=1)
+        inverse = 1.0 / scale  # once per block: ratios are products
+        ratio = tl.reshape(rows * inverse[:, None], (BLOCK,))
+        ratio = tl.where((ratio != ratio) | (ratio < 1.1754943508222875e-38), 0.0, ratio)
+        # The last level <= ratio: a guess from the float's exponent and the
+        # top of its mantissa, then a step each way along the table (as the
+        # CPU kernel finds it).
+        TOP: tl.constexpr = 127 if SIGNED else 255
+        bits = ratio.to(tl.int32, bitcast=True)
+        guess = TOP + 8 * ((bits >> 23) - 127) + (((bits & 0x7FFFFF) * 8) >> 23)
+        low = tl.minimum(tl.maximum(guess, 1), TOP - 1)
+        low = low - (tl.load(levels + low) > ratio).to(tl.int32)
+        low = low + (tl.load(levels + low + 1) <= ratio).to(tl.int32)
+        low = tl.minimum(low, TOP - 1)
+        below = tl.load(levels + low)
+        above = tl.load(levels + low + 1)
+        threshold = _noise16(offs, seeds, t, k).to(tl.float32) * (1.0 / 65536.0)
+        code = low + (ratio - below > threshold * (above - below)).to(tl.int32)
+        if SIGNED:  # no -0: 128 is the non-finite code
+            code = tl.where((x < 0) & (code > 0), code + 128, code)
+            code = tl.where(finite, code, 128)
+        else:  # a positive second moment is never 0, nor the code of inf (1)
+            code = tl.where((code <= 1) & (ratio > 0), 2, code)
+            code = tl.where(finite, code, 1)
+        tl.store(codes + offs, code.to(tl.uint8), mask=mask)
+        # The scales of the blocks this program holds values of.
+        held = tl.max(tl.reshape(mask.to(tl.int32), (BLOCK // 256, 256)), axis=1) > 0
+        first = tl.max(tl.reshape(offs, (BLOCK // 256, 256)), axis=1) // 256
+        tl.store(scales + first, scale, mask=held)
     else:
         tl.store(ptr + offs, value.to(DTYPE), mask=mask)
 
@@ -278,14 +362,16 @@ def _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scal
 def _qhm_kernel(
     addrs, numels, block_tensor, block_start, n_tensors, table,
     decay, buffer_value, grad_value, grad_multiplier, coupled_weight_decay, grad_to_buffer,
-    scale_ptr, inf_ptr, seeds,
+    scale_ptr, inf_ptr, seeds, levels_signed, levels_unsigned,
     IN_TABLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
     NARROW: tl.constexpr, DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t, offs, mask = _block(numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
+    n = tl.load(numels + t)
+    STATE: tl.constexpr = tl.uint16 if NARROW == 1 else (tl.uint8 if NARROW == 2 else DTYPE)
     p_ptr = _address(addrs, n_tensors, t, 0, DTYPE)
     g_ptr = _address(addrs, n_tensors, t, 1, DTYPE)
-    b_ptr = _address(addrs, n_tensors, t, 2, tl.uint16 if NARROW else DTYPE)
+    b_ptr = _address(addrs, n_tensors, t, 2, STATE)
     # rules.decoupled_decay_factor, rules.fold_qhm, maximize's sign, coupled
     # decay and rules.qhm_coefficients' grad_to_buffer (the order of _QHM_VALUES).
     decay = _coefficient(decay, table, 0, IN_TABLE, COMPUTE)
@@ -297,9 +383,11 @@ def _qhm_kernel(
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                    HAS_SCALE, COMPUTE)  # fmt: skip
-    b = _lerp(_load_state(b_ptr, offs, mask, NARROW, COMPUTE), g, grad_to_buffer)
+    stored = _load_state(b_ptr, offs, mask, n, levels_signed, True, NARROW, COMPUTE)
+    b = _lerp(stored, g, grad_to_buffer)
     p = p * decay + buffer_value * b + grad_value * g
-    _store_state(b_ptr, offs, mask, b, seeds, t, 0, NARROW, DTYPE)
+    _store_state(b_ptr, offs, mask, b, n, levels_signed, seeds, t, 0, True, NARROW, DTYPE,
+                 BLOCK)  # fmt: skip
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
@@ -309,13 +397,14 @@ def _qhadam_kernel(
     exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value, decay,
     grad_multiplier, coupled_weight_decay, grad_to_exp_avg, exp_avg_sq_decay,
     grad_sq_to_exp_avg_sq,
-    scale_ptr, inf_ptr, seeds,
+    scale_ptr, inf_ptr, seeds, levels_signed, levels_unsigned,
     FORM: tl.constexpr, AMSGRAD: tl.constexpr, IN_TABLE: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, NARROW: tl.constexpr,
     DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t, offs, mask = _block(numels, block_tensor, block_start, inf_ptr, HAS_INF, BLOCK)
-    STATE: tl.constexpr = tl.uint16 if NARROW else DTYPE
+    n = tl.load(numels + t)
+    STATE: tl.constexpr = tl.uint16 if NARROW == 1 else (tl.uint8 if NARROW == 2 else DTYPE)
     p_ptr = _address(addrs, n_tensors, t, 0, DTYPE)
     g_ptr = _address(addrs, n_tensors, t, 1, DTYPE)
     m_ptr = _address(addrs, n_tensors, t, 2, STATE)
@@ -339,17 +428,20 @@ def _qhadam_kernel(
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                    HAS_SCALE, COMPUTE)  # fmt: skip
-    m = _lerp(_load_state(m_ptr, offs, mask, NARROW, COMPUTE), g, grad_to_exp_avg)
-    s = exp_avg_sq_decay * _load_state(s_ptr, offs, mask, NARROW, COMPUTE)
+    m = _load_state(m_ptr, offs, mask, n, levels_signed, True, NARROW, COMPUTE)
+    m = _lerp(m, g, grad_to_exp_avg)
+    s = exp_avg_sq_decay * _load_state(s_ptr, offs, mask, n, levels_unsigned, False, NARROW,
+                                       COMPUTE)  # fmt: skip
     s = s + grad_sq_to_exp_avg_sq * g * g
     # What the denominator reads: the second moment, or (AMSGrad) its running
     # maximum, rules.amsgrad_maximum (NaN if either is NaN, as torch.maximum).
     d = s
     if AMSGRAD:
         v_ptr = _address(addrs, n_tensors, t, 4, STATE)
-        v = _load_state(v_ptr, offs, mask, NARROW, COMPUTE)
+        v = _load_state(v_ptr, offs, mask, n, levels_unsigned, False, NARROW, COMPUTE)
         d = tl.where((v != v) | (s != s), v + s, tl.maximum(v, s))
-        _store_state(v_ptr, offs, mask, d, seeds, t, 2, NARROW, DTYPE)
+        _store_state(v_ptr, offs, mask, d, n, levels_unsigned, seeds, t, 2, False, NARROW,
+                     DTYPE, BLOCK)  # fmt: skip
     if FORM == 0:
         base = tl.sqrt(exp_avg_sq_weight * d)
     elif FORM == 1:
@@ -357,8 +449,10 @@ def _qhadam_kernel(
     else:
         base = tl.sqrt(exp_avg_sq_weight * d + grad_sq_weight * (g * g))
     p = p * decay + (exp_avg_value * m + grad_value * g) / (base + eps)
-    _store_state(m_ptr, offs, mask, m, seeds, t, 0, NARROW, DTYPE)
-    _store_state(s_ptr, offs, mask, s, seeds, t, 1, NARROW, DTYPE)
+    _store_state(m_ptr, offs, mask, m, n, levels_signed, seeds, t, 0, True, NARROW, DTYPE,
+                 BLOCK)  # fmt: skip
+    _store_state(s_ptr, offs, mask, s, n, levels_unsigned, seeds, t, 1, False, NARROW, DTYPE,
+                 BLOCK)  # fmt: skip
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
@@ -459,15 +553,18 @@ def _flags(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     seeds: Tensor | None = None,
+    levels: tuple[Tensor, Tensor] | None = None,
 ) -> dict[str, Any]:
     dtype = params[0].dtype
     return {
         "scale_ptr": grad_scale if grad_scale is not None else params[0],
         "inf_ptr": found_inf if found_inf is not None else params[0],
         "seeds": seeds if seeds is not None else params[0],
+        "levels_signed": levels[0] if levels else params[0],
+        "levels_unsigned": levels[1] if levels else params[0],
         "HAS_SCALE": grad_scale is not None,
         "HAS_INF": found_inf is not None,
-        "NARROW": seeds is not None,
+        "NARROW": _SAME if seeds is None else (_EIGHT_BIT if levels else _BFLOAT16),
         "DTYPE": _TL_DTYPES[dtype],
         "COMPUTE": tl.float64 if dtype == torch.float64 else tl.float32,
         "BLOCK": _BLOCK,
@@ -536,11 +633,13 @@ def qhm_(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     seeds: Tensor | None = None,
+    levels: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """One fused QHM step over tensors of one device and dtype, contiguous.
 
     ``seeds`` (int64 ``[tensors, 3]`` on the device): the buffers are bfloat16,
-    rounded stochastically with each tensor's first seed."""
+    or 8-bit with ``levels`` (the signed and unsigned level tables, float32 on
+    the device), rounded stochastically with each tensor's first seed."""
     layout = _layout([params, grads, momentum_buffers])
     if layout is None:  # only empty tensors
         return
@@ -569,7 +668,7 @@ def qhm_(
         table,
         *scalars,
         IN_TABLE=table is not params[0],
-        **_flags(params, grad_scale, found_inf, seeds),
+        **_flags(params, grad_scale, found_inf, seeds, levels),
     )
 
 
@@ -605,6 +704,7 @@ def qhadam_(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     seeds: Tensor | None = None,
+    levels: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """One fused QHAdam step over tensors of one device and dtype, contiguous.
 
@@ -615,7 +715,8 @@ def qhadam_(
     GradScaler found an inf in, as torch's fused Adam does. With
     ``hp.amsgrad``, ``max_exp_avg_sqs`` are the running maxima. ``seeds``
     (int64 ``[tensors, 3]`` on the device): the moments (and maxima) are
-    bfloat16, rounded stochastically with these seeds.
+    bfloat16, or 8-bit with ``levels`` (see :func:`qhm_`), rounded
+    stochastically with these seeds.
     """
     lists = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if hp.amsgrad else [])]
     on_device = isinstance(steps[0], Tensor) if steps else False
@@ -659,7 +760,7 @@ def qhadam_(
         FORM=_kernels.DENOMINATOR_FORMS[rules.qhadam_denominator(hp.nu2)],
         AMSGRAD=hp.amsgrad,
         IN_TABLE=table is not params[0],
-        **_flags(params, grad_scale, found_inf if on_device else None, seeds),
+        **_flags(params, grad_scale, found_inf if on_device else None, seeds, levels),
     )
 
 

@@ -210,27 +210,42 @@ def test_a_step_runs_one_kernel_per_device_and_dtype_on_cuda(
     assert len(kernels) == 2, [e.name for e in kernels]  # float32 and bfloat16
 
 
+def _stored_by_the_rule(
+    value: torch.Tensor, state_dtype: torch.dtype, signed: bool, step: int, index: int
+) -> np.ndarray:
+    """The bytes ``value`` (float32) is stored as after ``step``, state ``index``:
+    qhoptim.rounding's NumPy statements of the bfloat16 and 8-bit rules."""
+    x = value.detach().cpu().numpy()
+    if state_dtype == torch.bfloat16:
+        return rounding.stochastic_round_reference(x, step, index).view(np.uint8)
+    seed = rounding.rounding_seed(step, index)
+    codes, scales = rounding.eight_bit_encode_reference(x, signed, seed, stochastic=True)
+    return np.concatenate([scales.view(np.uint8), codes])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.uint8], ids=["bfloat16", "8-bit"])
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
-def test_a_bfloat16_state_steps_in_the_kernel_and_rounds_by_the_rule(
-    cls: type, kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+def test_a_narrow_state_steps_in_the_kernel_and_rounds_by_the_rule(
+    cls: type, kwargs: dict[str, Any], state_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # fused=True reads and writes a bfloat16 state in the kernel's one pass,
-    # no float32 working copies: each step is the float32-state kernel's step
-    # from the widened state (the parameters bit for bit), its new state
-    # rounded by the rule every backend follows, with the state's seed.
+    # fused=True reads and writes a bfloat16 or 8-bit state in the kernel's one
+    # pass, no float32 working copies: each step is the float32-state kernel's
+    # step from the state as read (the parameters bit for bit), its new state
+    # stored by the rule every backend follows, with the state's seed.
     from qhoptim.torch import _state_dtype
 
     def no_working_copies(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("the bfloat16 state stepped on float32 working copies")
+        raise AssertionError("the narrow state stepped on float32 working copies")
 
     monkeypatch.setattr(_state_dtype, "step_with_narrow_state", no_working_copies)
-    shapes = [(33, 5), (1000,), (7,)]
+    shapes = [(33, 5), (1000,), (7,), (3000,)]  # partial blocks of 256 and of 1024
     params = _params(shapes, F32)
-    narrow = cls(params, **kwargs, fused=True, state_dtype=torch.bfloat16)
+    narrow = cls(params, **kwargs, fused=True, state_dtype=state_dtype)
+    signed = dict(zip(cls._STATE_LISTS, cls._SIGNED, strict=True))
     for step, grads in enumerate(random_grads(shapes, 4, F32, seed=3), start=1):
         copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
         wide = cls(copies, **kwargs, fused=True)
-        if step > 1:  # the narrow state, widened (exactly) by the load
+        if step > 1:  # the narrow state as read (widened or decoded exactly by the load)
             wide.load_state_dict(copy.deepcopy(narrow.state_dict()))
         for p, q, g in zip(params, copies, grads, strict=True):
             p.grad, q.grad = g.to(DEVICE), g.to(DEVICE).clone()
@@ -242,8 +257,8 @@ def test_a_bfloat16_state_steps_in_the_kernel_and_rounds_by_the_rule(
                 if key not in narrow.state[p]:
                     continue
                 stored = narrow.state[p][key]
-                assert stored.dtype == torch.bfloat16
-                want = rounding.stochastic_round_reference(
-                    wide.state[q][key].cpu().numpy(), step, rounding.state_index(position, k)
-                )
-                assert np.array_equal(stored.cpu().view(torch.int16).numpy().view(np.uint16), want)
+                assert stored.dtype == state_dtype
+                index = rounding.state_index(position, k)
+                value = wide.state[q][key]
+                want = _stored_by_the_rule(value, state_dtype, signed[key], step, index)
+                assert np.array_equal(stored.cpu().contiguous().view(torch.uint8).numpy(), want)
