@@ -284,10 +284,12 @@ def _load_state(ptr, offs, mask, n, levels, SIGNED, NARROW, COMPUTE):
         if SIGNED:
             value = tl.load(levels + (code & 127)) * scale
             value = tl.where(code > 128, -value, value)
-            value = tl.where(code == 128, float("nan"), value)
+            nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+            value = tl.where(code == 128, nan, value)
         else:
             value = tl.load(levels + code) * scale
-            value = tl.where(code == 1, float("inf"), value)
+            inf = tl.full((), 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+            value = tl.where(code == 1, inf, value)
         return value.to(COMPUTE)
     return tl.load(ptr + offs, mask=mask).to(COMPUTE)
 
@@ -320,7 +322,7 @@ def _store_state(ptr, offs, mask, value, n, levels, seeds, t, k, SIGNED, NARROW,
         # The last level <= ratio: a guess from the float's exponent and the
         # top of its mantissa, then a step each way along the table (as the
         # CPU kernel finds it).
-        TOP: tl.constexpr = 127 if SIGNED else 255
+        TOP: tl.constexpr = 127 if SIGNED else 255  # the ladder's top code
         bits = ratio.to(tl.int32, bitcast=True)
         guess = TOP + 8 * ((bits >> 23) - 127) + (((bits & 0x7FFFFF) * 8) >> 23)
         low = tl.minimum(tl.maximum(guess, 1), TOP - 1)
@@ -569,6 +571,9 @@ def _flags(
         "COMPUTE": tl.float64 if dtype == torch.float64 else tl.float32,
         "BLOCK": _BLOCK,
         "num_warps": _NUM_WARPS,
+        # No fused multiply-adds: each product and sum rounded as written, as
+        # the C++ kernel computes (and the narrow-state rules are stated).
+        "enable_fp_fusion": False,
     }
 
 
