@@ -262,3 +262,35 @@ def test_a_narrow_state_steps_in_the_kernel_and_rounds_by_the_rule(
                 value = wide.state[q][key]
                 want = _stored_by_the_rule(value, state_dtype, signed[key], step, index)
                 assert np.array_equal(stored.cpu().contiguous().view(torch.uint8).numpy(), want)
+
+
+def _nvidia_backend() -> bool:
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not HAS_TRITON or not _nvidia_backend(), reason="needs Triton's CUDA backend")
+def test_the_kernels_compile_for_a_gpu_without_fused_multiply_adds() -> None:
+    # The interpreter never meets Triton's code generator: each kernel, with
+    # every state storage, is compiled for sm_90 (PTX and cubin, no GPU
+    # needed) in a process without TRITON_INTERPRET; the launches ask for no
+    # FMA contraction, so that a narrow state's bytes are the rules' on a GPU.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from qhoptim.torch import _triton
+
+    flags = _triton._flags([torch.zeros(1)], None, None)
+    assert flags["enable_fp_fusion"] is False
+    script = Path(__file__).with_name("triton_gpu_compile.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("qhm", "qhadam"))]
+    assert len(lines) == 6 and all(line.endswith("fma=0") for line in lines), done.stdout
