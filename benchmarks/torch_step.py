@@ -252,23 +252,13 @@ _BYTES = {
 }
 # Narrow state's fused steps, each against its float32-state twin (targets:
 # at most 0.9x the float32-state step, which moves more bytes, at 1e7-1e8).
-NARROW_FUSED = {
-    "QHM fused, bfloat16 state": (
-        lambda p: QHM(p, **QHM_KW, fused=True, state_dtype=torch.bfloat16),
-        "QHM fused",
-    ),
-    "QHAdam fused, bfloat16 state": (
-        lambda p: QHAdam(p, **QHADAM_KW, fused=True, state_dtype=torch.bfloat16),
-        "QHAdam fused",
-    ),
-    "QHM fused, 8-bit state": (
-        lambda p: QHM(p, **QHM_KW, fused=True, state_dtype=torch.uint8),
-        "QHM fused",
-    ),
-    "QHAdam fused, 8-bit state": (
-        lambda p: QHAdam(p, **QHADAM_KW, fused=True, state_dtype=torch.uint8),
-        "QHAdam fused",
-    ),
+NARROW_FUSED: dict[str, tuple[Callable[[list[torch.Tensor]], torch.optim.Optimizer], str]] = {
+    f"{name} fused, {label} state": (
+        lambda p, cls=cls, kw=kw, dtype=dtype: cls(p, **kw, fused=True, state_dtype=dtype),
+        f"{name} fused",
+    )
+    for label, dtype in (("bfloat16", torch.bfloat16), ("8-bit", torch.uint8))
+    for name, cls, kw in (("QHM", QHM, QHM_KW), ("QHAdam", QHAdam, QHADAM_KW))
 }
 
 
