@@ -1,7 +1,7 @@
 """Time one jitted optimizer step (update + apply) of qhoptim.optax against optax.
 
     python -m benchmarks.optax_step [--repeats 40] [--scale [--sizes 1e6 1e7 1e8]]
-                                    [--state-dtype bfloat16]
+                                    [--state-dtype bfloat16] [--layout flax]
 
 For ResNet-18-shaped float32 parameters and 500 tensors of 1,000 elements,
 with and without buffer donation, interleaving the optimizers round by round
@@ -9,6 +9,7 @@ so they share the machine's state; prints the median ms per step and the ratio
 of each QH optimizer to its optax counterpart (QHM vs
 ``optax.sgd(momentum=0.9, nesterov=True)``, QHAdam vs ``optax.adam``).
 ``--scale`` times one flat tensor of each size instead (with donation).
+``--layout flax`` gives ResNet-18's kernels flax's layout (channels last).
 ``--state-dtype bfloat16`` adds each QH optimizer with its state stored in
 bfloat16 (``state_dtype``, stochastically rounded), timed in the same rounds,
 with its ratio to the float32-state step.
@@ -80,17 +81,40 @@ def bench(
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
+def flax_layout(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Shapes in flax's layout: convolution kernels (kh, kw, in, out), dense (in, out).
+
+    XLA's CPU loops over torch's (out, in, 3, 3) kernels run along their small
+    trailing dimensions; flax's kernels end in the channels."""
+
+    def flax(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(shape) == 4:
+            out, inp, kh, kw = shape
+            return (kh, kw, inp, out)
+        return tuple(reversed(shape)) if len(shape) == 2 else shape
+
+    return [flax(s) for s in shapes]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--scale", action="store_true", help="one flat tensor per size")
     parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 1e8])
     parser.add_argument("--state-dtype", default=None, help="also time state_dtype=this")
+    parser.add_argument(
+        "--layout",
+        choices=("torch", "flax"),
+        default="torch",
+        help="ResNet-18's kernels as torch stores them (out, in, kh, kw) or as flax does "
+        "(kh, kw, in, out; dense kernels (in, out))",
+    )
     args = parser.parse_args()
-    suites = SUITES
+    suites = SUITES if args.layout == "torch" else {k: flax_layout(v) for k, v in SUITES.items()}
     if args.scale:
         suites = {f"{int(n):.0e}": [(int(n),)] for n in args.sizes}
     print(f"jax {jax.__version__}, optax {optax.__version__}, device {jax.devices()[0]}")
+    print(f"layout of the kernels: {args.layout}")
     print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / optax baseline\n")
     print(
         f"{'params':<10}{'donate':<8}{'optimizer':<14}{'ms':>9}{'baseline':>14}{'ms':>9}{'ratio':>8}"
