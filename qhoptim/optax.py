@@ -313,13 +313,14 @@ def _decode(stored: EightBitArray) -> jax.Array:
     (:func:`qhoptim.rounding.eight_bit_decode_reference`)."""
     codes = stored.codes.astype(jnp.int32)
     levels = jnp.asarray(_levels(stored.signed))
-    magnitude = levels[codes & 127 if stored.signed else codes]
-    if stored.signed:
-        magnitude = jnp.where(codes >= 128, -magnitude, magnitude)
-    scaled = _blocked(magnitude) * stored.scales[:, None]
-    value = scaled.reshape(-1)[: codes.size].reshape(codes.shape)
-    special = jnp.nan if stored.signed else jnp.inf
-    return jnp.where(codes == rounding.EIGHT_BIT_NON_FINITE[stored.signed], special, value)
+
+    def scaled(magnitude: jax.Array) -> jax.Array:
+        rows = _blocked(magnitude) * stored.scales[:, None]
+        value: jax.Array = rows.reshape(-1)[: codes.size].reshape(codes.shape)
+        return value
+
+    value: jax.Array = rounding.eight_bit_value(codes, levels, stored.signed, scaled, jnp.where)
+    return value
 
 
 def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -> EightBitArray:

@@ -38,6 +38,7 @@ and shifts; this module imports no framework.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -58,6 +59,7 @@ __all__ = [
     "eight_bit_decode_reference",
     "eight_bit_encode_reference",
     "eight_bit_levels",
+    "eight_bit_value",
     "mix32",
     "noise16",
     "round_bits",
@@ -366,9 +368,27 @@ def eight_bit_decode_reference(codes: Any, scales: Any, signed: bool) -> Any:
 
     c = np.asarray(codes).reshape(-1).astype(np.int64)
     levels = np.asarray(eight_bit_levels(signed), np.float32)
-    magnitude = levels[c & 127 if signed else c]
+    per_value = np.repeat(np.asarray(scales, np.float32), EIGHT_BIT_BLOCK)[: c.size]
+    value = eight_bit_value(c, levels, signed, lambda m: m * per_value, np.where)
+    return value.astype(np.float32)
+
+
+def eight_bit_value(
+    codes: Any,
+    levels: Any,
+    signed: bool,
+    scaled: Callable[[Any], Any],
+    where: Callable[[Any, Any, Any], Any],
+) -> Any:
+    """The values an 8-bit state's integer ``codes`` stand for: the level of
+    ``levels`` (the :func:`eight_bit_levels` table as the backend's array)
+    a code names, negated where bit 7 is set in a ``signed`` state, times its
+    block's scale (``scaled``: the backend's product of the magnitudes with
+    their blocks' scales); the non-finite code reads back as NaN (signed) or
+    +inf (unsigned). Written once for the arrays of any backend, as
+    :func:`eight_bit_code` is."""
+    magnitude = levels[codes & 127 if signed else codes]
     if signed:
-        magnitude = np.where(c >= 128, -magnitude, magnitude)
-    value = magnitude * np.repeat(np.asarray(scales, np.float32), EIGHT_BIT_BLOCK)[: c.size]
-    special = np.float32(np.nan if signed else np.inf)
-    return np.where(c == EIGHT_BIT_NON_FINITE[signed], special, value).astype(np.float32)
+        magnitude = where(codes >= 128, -magnitude, magnitude)
+    special = math.nan if signed else math.inf
+    return where(codes == EIGHT_BIT_NON_FINITE[signed], special, scaled(magnitude))

@@ -29,7 +29,6 @@ copies and encoded back with the same noise.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -255,16 +254,9 @@ def dequantize_(out: Tensor, stored: _Packed, signed: bool) -> None:
     if kernel is not None and out.is_contiguous():  # one pass, in C++
         kernel.dequantize8_(out.view(-1), stored.codes, stored.scales, levels, signed)
         return
+    per_value = stored.scales.repeat_interleave(BLOCK)[: out.numel()]
     codes = stored.codes.to(torch.int64)
-    magnitude = levels[codes & 127 if signed else codes]
-    if signed:
-        magnitude = torch.where(codes >= 128, -magnitude, magnitude)
-    n = out.numel()
-    value = magnitude.mul_(stored.scales.repeat_interleave(BLOCK)[:n])
-    if signed:  # the non-finite code reads back as NaN, unsigned as inf (rounding)
-        value = torch.where(codes == rounding.EIGHT_BIT_NON_FINITE[True], math.nan, value)
-    else:
-        value = torch.where(codes == rounding.EIGHT_BIT_NON_FINITE[False], math.inf, value)
+    value = rounding.eight_bit_value(codes, levels, signed, per_value.mul, torch.where)
     out.view(-1).copy_(value)
 
 

@@ -342,7 +342,7 @@ def _store_state(ptr, offs, mask, value, n, levels, seeds, t, k, SIGNED, NARROW,
         tl.store(codes + offs, code.to(tl.uint8), mask=mask)
         # The scales of the blocks this program holds values of.
         held = tl.max(tl.reshape(mask.to(tl.int32), (BLOCK // 256, 256)), axis=1) > 0
-        first = tl.max(tl.reshape(offs, (BLOCK // 256, 256)), axis=1) // 256
+        first = tl.min(offs, axis=0) // 256 + tl.arange(0, BLOCK // 256)
         tl.store(scales + first, scale, mask=held)
     else:
         tl.store(ptr + offs, value.to(DTYPE), mask=mask)
