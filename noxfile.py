@@ -160,6 +160,48 @@ def _carry_pip_sources_to_uv() -> None:
 
 _carry_pip_sources_to_uv()
 
+
+def _cpu_signature() -> str:
+    """A short name for this machine's CPU model and instruction sets.
+
+    XLA's CPU compiler targets the host's instruction sets, and JAX's cache key
+    does not say which: a program compiled on a machine with AVX-512 must not be
+    loaded on one without. One cache folder per signature keeps them apart.
+    """
+    import hashlib
+    import platform
+
+    described = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            described += "".join(
+                line for line in info if line.startswith(("flags", "model name", "Features"))
+            )
+    except OSError:
+        pass
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
+
+
+def _share_jax_compilations() -> None:
+    """Keep the XLA programs JAX compiles in one cache folder on disk.
+
+    Most of a JAX session's test time is XLA compiling small programs, the same
+    ones in every run and several times within one (each pytest worker, each
+    session that installs JAX). JAX's persistent compilation cache keeps each
+    compiled program keyed by its HLO, compile options and jaxlib version, so a
+    second compilation is a file read. The default only keeps programs that took
+    a second or more to compile; the tests' programs take less, so every one is
+    kept. The folder lives beside the session venvs (``rm -rf .nox`` removes it);
+    a variable the user set wins.
+    """
+    folder = Path(nox.options.envdir or ROOT / ".nox") / "_jax-cache" / _cpu_signature()
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(folder))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+_share_jax_compilations()
+
 _SESSION_TIMES: dict[str, tuple[float, str]] = {}
 
 
