@@ -294,3 +294,31 @@ def test_the_kernels_compile_for_a_gpu_without_fused_multiply_adds() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith(("qhm", "qhadam"))]
     assert len(lines) == 6 and all(line.endswith("fma=0") for line in lines), done.stdout
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="Triton's interpreter (TRITON_INTERPRET=1) only")
+def test_the_interpreter_patches_triton_language_once_per_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """conftest.py's ``skip_repeated_patching`` is in effect: a launch walks
+    ``triton.language`` once (a handful of ``_patch_builtin`` calls), not again at
+    each of its kernel's helper calls; the numbers are the rest of this file's."""
+    from triton.runtime import interpreter
+
+    from conformance.triton_interpreter import skip_repeated_patching
+
+    assert skip_repeated_patching()
+    walks: list[object] = []
+    walk = interpreter._patch_builtin
+    monkeypatch.setattr(
+        interpreter, "_patch_builtin", lambda pkg, *args: (walks.append(pkg), walk(pkg, *args))
+    )
+    launches = _launches(monkeypatch)
+    params = _params([(4,)], F32)
+    opt = QHAdam(params, lr=0.01, nus=(0.7, 0.8), fused=True)
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    assert len(launches) == 1
+    # lang, lang.tensor, lang.math, tensor_descriptor_base; the kernel's helpers
+    # (dozens of calls) add none.
+    assert 0 < len(walks) <= 6, len(walks)
