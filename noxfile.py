@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -168,9 +170,6 @@ def _cpu_signature() -> str:
     does not say which: a program compiled on a machine with AVX-512 must not be
     loaded on one without. One cache folder per signature keeps them apart.
     """
-    import hashlib
-    import platform
-
     described = platform.machine() + platform.processor()
     try:
         with open("/proc/cpuinfo") as info:
