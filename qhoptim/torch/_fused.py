@@ -28,6 +28,7 @@ on the host). Low-precision parameters are computed in float32.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 import torch
@@ -98,6 +99,7 @@ def kernel_available(device: torch.device) -> bool:
     return True
 
 
+@functools.cache
 def _triton() -> Any:
     """The Triton kernels (imported on first CUDA use: Triton ships with CUDA builds of torch)."""
     try:
@@ -144,14 +146,15 @@ class _Contiguous:
         self.pairs: list[tuple[Tensor, Tensor]] = []
         self.lists = [
             self._contiguous(params),
-            grads if all([t.is_contiguous() for t in grads]) else [t.contiguous() for t in grads],
+            grads if all(map(Tensor.is_contiguous, grads)) else [t.contiguous() for t in grads],
             *(self._contiguous(ts) for ts in state),
         ]
 
     def _contiguous(self, ts: list[Tensor]) -> list[Tensor]:
-        # The common case, every tensor contiguous, in one pass without copies:
-        # the step's host cost is per tensor, and this runs for every list.
-        if all([t.is_contiguous() for t in ts]):
+        # The common case, every tensor contiguous, in one pass without copies
+        # (map: no bytecode per tensor): the step's host cost is per tensor, and
+        # this runs for every list.
+        if all(map(Tensor.is_contiguous, ts)):
             return ts
         out = []
         for t in ts:
@@ -181,17 +184,12 @@ def _groups_with_indices(
     """
     if local_shards(tensorlists[0]) is not tensorlists[0]:  # DTensors: the lists share placements
         tensorlists = [local_shards(ts) for ts in tensorlists]
-    n = len(tensorlists) if by is None else by
-    grouped = group_by_device_and_dtype(tensorlists[:n], with_indices=True)
+    if by is None:  # the common case, at the least host work
+        grouped = group_by_device_and_dtype(tensorlists, with_indices=True)
+        return [(device, [*lists, indices]) for (device, _), (lists, indices) in grouped.items()]
+    grouped = group_by_device_and_dtype(tensorlists[:by], with_indices=True)
     return [
-        (
-            cast(torch.device, device),
-            [
-                *(cast(list[Tensor], ts) for ts in lists),
-                *([ts[i] for i in indices] for ts in tensorlists[n:]),
-                indices,
-            ],
-        )
+        (device, [*lists, *([ts[i] for i in indices] for ts in tensorlists[by:]), indices])
         for (device, _), (lists, indices) in grouped.items()
     ]
 
@@ -214,7 +212,6 @@ def fused_qhm(
     """
     if not params:  # nothing to step (torch's grouping refuses empty lists)
         return
-    c = rules.qhm_coefficients(hp.momentum, hp.nu)
     by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
     for device, (*lists, indices) in _groups_with_indices([params, grads, momentum_buffers], by=by):
         seeds = _seed_table(state_seeds, indices, device)
@@ -223,13 +220,14 @@ def fused_qhm(
                 _triton().qhm_(
                     ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf,
                     seeds=None if state_seeds is None else seeds,
-                    levels=_device_ladders(bufs, device),
+                    levels=None if state_seeds is None else _device_ladders(bufs, device),
                 )  # fmt: skip
                 continue
             if skipped(found_inf):
                 continue
             lr = float(hp.lr)
             coupled, decay = _decay(hp, lr)
+            c = rules.qhm_coefficients(hp.momentum, hp.nu)
             buffer_value, grad_value = rules.fold_qhm(c, lr)
             numbers = (
                 _grad_multiplier(hp, grad_scale),

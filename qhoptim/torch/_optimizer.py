@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -179,6 +179,13 @@ def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
 
 def sparse_error(optimizer: str) -> RuntimeError:
     return RuntimeError(f"{optimizer} does not support sparse gradients")
+
+
+class AmpTensors(TypedDict):
+    """``torch.amp.GradScaler``'s tensors for a fused step, as the functional steps take them."""
+
+    grad_scale: Tensor | None
+    found_inf: Tensor | None
 
 
 class NarrowStateOptimizer(Optimizer):
@@ -394,7 +401,8 @@ class NarrowStateOptimizer(Optimizer):
             if key in p_state
         }
 
-    def _amp_tensors(self) -> dict[str, Tensor | None]:
+    def _amp_tensors(self) -> AmpTensors:
+        """What ``torch.amp.GradScaler`` set on a fused optimizer for this step."""
         return {
             "grad_scale": getattr(self, "grad_scale", None),
             "found_inf": getattr(self, "found_inf", None),
@@ -504,11 +512,12 @@ class QHOptimizer(NarrowStateOptimizer):
 
     def _gather(
         self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
-    ) -> tuple[list[dict[str, Any]], bool]:
+    ) -> list[dict[str, Any]]:
         """Append the params with a gradient (and their grads); return their states."""
-        # The step's host work is per parameter: each attribute read once.
+        # The step's host work is per parameter: each attribute read once, and
+        # nothing read that no step uses (complex tensors are recognised per
+        # tensor where they step, so the group's has_complex is not gathered).
         states = []
-        has_complex = False
         state = self.state
         fused = group["fused"]
         for p in group["params"]:
@@ -517,14 +526,13 @@ class QHOptimizer(NarrowStateOptimizer):
                 continue
             if grad.is_sparse:
                 raise sparse_error(type(self).__name__)
-            has_complex |= p.is_complex()
             params.append(p)
             grads.append(grad)
             p_state = state[p]
             if fused and not p_state:  # its first step: checked as torch checks it
                 _fused.check_fused_device(p)
             states.append(p_state)
-        return states, has_complex
+        return states
 
     def _step_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError

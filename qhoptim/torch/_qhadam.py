@@ -170,8 +170,8 @@ class QHAdam(QHOptimizer):
         exp_avg_sqs: list[Tensor],
         max_exp_avg_sqs: list[Tensor],
         state_steps: list[Tensor],
-    ) -> bool:
-        states, has_complex = self._gather(group, params, grads)
+    ) -> None:
+        states = self._gather(group, params, grads)
         amsgrad, differentiable = group["amsgrad"], group["differentiable"]
         for p, state in zip(params, states, strict=True):
             if len(state) == 0:
@@ -199,7 +199,6 @@ class QHAdam(QHOptimizer):
             if amsgrad:
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             state_steps.append(state["step"])
-        return has_complex
 
     def _step_group(self, group: dict[str, Any]) -> None:
         params: list[Tensor] = []
@@ -208,9 +207,7 @@ class QHAdam(QHOptimizer):
         exp_avg_sqs: list[Tensor] = []
         max_exp_avg_sqs: list[Tensor] = []
         state_steps: list[Tensor] = []
-        has_complex = self._init_group(
-            group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
-        )
+        self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
         if not params:  # a frozen group: no gradient, nothing to step
             return
         moments = [exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if group["amsgrad"] else [])]
@@ -220,16 +217,13 @@ class QHAdam(QHOptimizer):
             grads,
             moments,
             state_steps,
-            lambda ps, gs, lists, steps, seeds: self._qhadam(
-                group, has_complex, ps, gs, lists, steps, seeds
-            ),
+            lambda ps, gs, lists, steps, seeds: self._qhadam(group, ps, gs, lists, steps, seeds),
             count_steps=False,
         )
 
     def _qhadam(
         self,
         group: dict[str, Any],
-        has_complex: bool,
         params: list[Tensor],
         grads: list[Tensor],
         moments: list[list[Tensor]],
@@ -249,7 +243,6 @@ class QHAdam(QHOptimizer):
             capturable=group["capturable"],
             differentiable=group["differentiable"],
             fused=group["fused"],
-            has_complex=has_complex,
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,

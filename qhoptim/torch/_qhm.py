@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from qhoptim.torch._tensors import (
 __all__ = ["QHM", "qhm"]
 
 _WEIGHT_DECAY_TYPES = {"grad": False, "direct": True}
+_MOMENTUM_BUFFER = operator.itemgetter("momentum_buffer")
 
 
 def _conversion(name: str) -> Any:
@@ -128,23 +130,21 @@ class QHM(MomentumBufferState, QHOptimizer):
         params: list[Tensor],
         grads: list[Tensor],
         momentum_buffers: list[Tensor],
-    ) -> bool:
-        states, has_complex = self._gather(group, params, grads)
-        if group["state_dtype"] is None:  # the common case, at the least host work
-            for p, state in zip(params, states, strict=True):
-                if len(state) == 0:
-                    state["momentum_buffer"] = _state_dtype.zeros_state(p, None)
-                momentum_buffers.append(state["momentum_buffer"])
-            return has_complex
+    ) -> None:
+        states = self._gather(group, params, grads)
+        if group["state_dtype"] is None and all(states):
+            # The common case, every state made: taken at C speed, since the
+            # step's host work is per parameter.
+            momentum_buffers.extend(map(_MOMENTUM_BUFFER, states))
+            return
         for p, state in zip(params, states, strict=True):
             momentum_buffers.append(self._momentum_buffer(group, p, state))
-        return has_complex
 
     def _step_group(self, group: dict[str, Any]) -> None:
         params: list[Tensor] = []
         grads: list[Tensor] = []
         momentum_buffers: list[Tensor] = []
-        has_complex = self._init_group(group, params, grads, momentum_buffers)
+        self._init_group(group, params, grads, momentum_buffers)
         if not params:  # a frozen group: no gradient, nothing to step
             return
         # The step counts of narrow states (the rounding's seed); none are read
@@ -159,14 +159,13 @@ class QHM(MomentumBufferState, QHOptimizer):
             grads,
             [momentum_buffers],
             steps,
-            lambda ps, gs, lists, _, seeds: self._qhm(group, has_complex, ps, gs, lists[0], seeds),
+            lambda ps, gs, lists, _, seeds: self._qhm(group, ps, gs, lists[0], seeds),
             count_steps=True,
         )
 
     def _qhm(
         self,
         group: dict[str, Any],
-        has_complex: bool,
         params: list[Tensor],
         grads: list[Tensor],
         momentum_buffers: list[Tensor],
@@ -180,7 +179,6 @@ class QHM(MomentumBufferState, QHOptimizer):
             capturable=group["capturable"],
             differentiable=group["differentiable"],
             fused=group["fused"],
-            has_complex=has_complex,
             lr=group["lr"],
             momentum=group["momentum"],
             nu=group["nu"],

@@ -241,13 +241,13 @@ def local_shard(t: Tensor) -> Tensor:
     return t if to_local is None else to_local()
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
 
 
 def local_shards(ts: list[Tensor]) -> list[Tensor]:
     """:func:`local_shard` of each; the list itself when it holds plain tensors only
-    (a type check per tensor, cheaper than looking up ``to_local`` on each)."""
-    if all([type(t) in _PLAIN for t in ts]):
+    (a type per tensor, taken at C speed: cheaper than looking up ``to_local``)."""
+    if _PLAIN.issuperset(map(type, ts)):
         return ts
     return [local_shard(t) for t in ts]
 

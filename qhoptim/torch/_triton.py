@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import os
 from typing import Any, NamedTuple, TypeVar, cast
@@ -97,7 +98,7 @@ def _remember(cache: dict[tuple[Any, ...], _V], key: tuple[Any, ...], value: _V)
 
 
 def _blocks(tensors: list[Tensor], device: torch.device) -> _Blocks:
-    sizes = tuple([t.numel() for t in tensors])
+    sizes = tuple(map(Tensor.numel, tensors))
     key = (device, sizes)
     found = _BLOCKS.get(key)
     if found is not None:
@@ -115,7 +116,8 @@ def _blocks(tensors: list[Tensor], device: torch.device) -> _Blocks:
 
 
 def _pointers(lists: list[list[Tensor]]) -> tuple[int, ...]:
-    return tuple([t.data_ptr() for ts in lists for t in ts])
+    # map: no bytecode per tensor, on the step's hot path.
+    return tuple(itertools.chain.from_iterable([map(Tensor.data_ptr, ts) for ts in lists]))
 
 
 def _table(pointers: tuple[int, ...], rows: int, device: torch.device) -> Tensor:
@@ -138,28 +140,29 @@ def _addresses(lists: list[list[Tensor]], device: torch.device) -> tuple[Tensor,
     the parameter. Addresses seen before were found free of that.
     """
     pointers = _pointers(lists)
-    if (device, len(lists), pointers) not in _ADDRESSES:
-        params, grads = lists[0], lists[1]
-        n = len(params)
-        sizes = [p.numel() for p in params]
-        for ts in lists[1:]:
-            # The kernel reads as many of each (an 8-bit state: their bytes).
-            if [t.numel() for t in ts] not in (sizes, _packed(sizes, ts)):
-                raise RuntimeError(
-                    "fused=True: each gradient and state must have its parameter's number "
-                    "of elements"
-                )
-        overlapping = [
-            i
-            for i in range(n)
-            if _overlap(pointers[i], pointers[n + i], sizes[i] * params[i].element_size())
-        ]
-        if overlapping:
-            grads = list(grads)
-            for i in overlapping:
-                grads[i] = grads[i].clone()
-            lists = [params, grads, *lists[2:]]
-            pointers = _pointers(lists)
+    found = _ADDRESSES.get((device, len(lists), pointers))  # the common case: one lookup
+    if found is not None:
+        return found, lists[1]
+    params, grads = lists[0], lists[1]
+    n = len(params)
+    sizes = [p.numel() for p in params]
+    for ts in lists[1:]:
+        # The kernel reads as many of each (an 8-bit state: their bytes).
+        if [t.numel() for t in ts] not in (sizes, _packed(sizes, ts)):
+            raise RuntimeError(
+                "fused=True: each gradient and state must have its parameter's number of elements"
+            )
+    overlapping = [
+        i
+        for i in range(n)
+        if _overlap(pointers[i], pointers[n + i], sizes[i] * params[i].element_size())
+    ]
+    if overlapping:
+        grads = list(grads)
+        for i in overlapping:
+            grads[i] = grads[i].clone()
+        lists = [params, grads, *lists[2:]]
+        pointers = _pointers(lists)
     return _table(pointers, len(lists), device), lists[1]
 
 
@@ -557,20 +560,34 @@ def _flags(
     seeds: Tensor | None = None,
     levels: tuple[Tensor, Tensor] | None = None,
 ) -> dict[str, Any]:
-    dtype = params[0].dtype
+    first = params[0]
     return {
-        "scale_ptr": grad_scale if grad_scale is not None else params[0],
-        "inf_ptr": found_inf if found_inf is not None else params[0],
-        "seeds": seeds if seeds is not None else params[0],
-        "levels_signed": levels[0] if levels else params[0],
-        "levels_unsigned": levels[1] if levels else params[0],
-        "HAS_SCALE": grad_scale is not None,
-        "HAS_INF": found_inf is not None,
-        "NARROW": _SAME if seeds is None else (_EIGHT_BIT if levels else _BFLOAT16),
-        "DTYPE": _TL_DTYPES[dtype],
-        "COMPUTE": tl.float64 if dtype == torch.float64 else tl.float32,
+        "scale_ptr": grad_scale if grad_scale is not None else first,
+        "inf_ptr": found_inf if found_inf is not None else first,
+        "seeds": seeds if seeds is not None else first,
+        "levels_signed": levels[0] if levels else first,
+        "levels_unsigned": levels[1] if levels else first,
         "BLOCK": _BLOCK,
         "num_warps": _NUM_WARPS,
+        **_constexprs(
+            first.dtype,
+            grad_scale is not None,
+            found_inf is not None,
+            _SAME if seeds is None else (_EIGHT_BIT if levels else _BFLOAT16),
+        ),
+    }
+
+
+@functools.cache
+def _constexprs(dtype: torch.dtype, has_scale: bool, has_inf: bool, narrow: int) -> dict[str, Any]:
+    """A launch's constexprs and options other than its block and warps (made
+    once for each combination: they are part of each step's host work)."""
+    return {
+        "HAS_SCALE": has_scale,
+        "HAS_INF": has_inf,
+        "NARROW": narrow,
+        "DTYPE": _TL_DTYPES[dtype],
+        "COMPUTE": tl.float64 if dtype == torch.float64 else tl.float32,
         # No fused multiply-adds: each product and sum rounded as written, as
         # the C++ kernel computes (and the narrow-state rules are stated).
         "enable_fp_fusion": False,
@@ -649,21 +666,15 @@ def qhm_(
     if layout is None:  # only empty tensors
         return
     addresses, blocks, _grads = layout  # _grads: alive until the launch has read them
-    c = rules.qhm_coefficients(hp.momentum, hp.nu)
-    # The order the kernel reads them in (_qhm_kernel).
-    values = (
-        _decay_factor(hp),
-        *rules.fold_qhm(c, hp.lr),
-        _sign(hp),
-        _coupled(hp),
-        c.grad_to_buffer,
-    )
     scalars: tuple[float, ...]
     if isinstance(hp.lr, Tensor):  # evaluated on the device: nothing is read back
         like = hp.lr.to(params[0].device, torch.float64)
+        values = _qhm_values(hp)
         table, scalars = torch.stack([torch.zeros_like(like) + v for v in values]), (0.0,) * 6
+    elif params[0].dtype == torch.float64:
+        table, scalars = _scalars(_qhm_values(hp), params[0])
     else:
-        table, scalars = _scalars(values, params[0])
+        table, scalars = params[0], _qhm_float32_scalars(hp)
     _launch(
         _qhm_kernel,
         blocks.block_tensor.numel(),
@@ -675,6 +686,26 @@ def qhm_(
         IN_TABLE=table is not params[0],
         **_flags(params, grad_scale, found_inf, seeds, levels),
     )
+
+
+def _qhm_values(hp: _tensors.QHMHyperparameters) -> tuple[Any, ...]:
+    """``_qhm_kernel``'s coefficients, in the order it reads them."""
+    c = rules.qhm_coefficients(hp.momentum, hp.nu)
+    return (
+        _decay_factor(hp),
+        *rules.fold_qhm(c, hp.lr),
+        _sign(hp),
+        _coupled(hp),
+        c.grad_to_buffer,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _qhm_float32_scalars(hp: _tensors.QHMHyperparameters) -> tuple[float, ...]:
+    """:func:`_qhm_values` as the launch's float32 scalars, kept: they change only
+    with the hyperparameters (a schedule's learning rates recur less often than
+    the steps that take them)."""
+    return tuple(_as_float32(float(v)) for v in _qhm_values(hp))
 
 
 def _constants(hp: _tensors.QHAdamHyperparameters) -> tuple[float, ...]:
