@@ -435,6 +435,52 @@ def test_8_bit_bytes_of_values_over_sixty_decades_are_the_rules() -> None:
             assert np.array_equal(packed[: 4 * blocks].view(torch.float32).numpy(), scales)
 
 
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_8_bit_bytes_at_and_beside_every_level_are_the_rules(signed: bool) -> None:
+    # Every level itself, the float32 numbers on either side of it and the
+    # midpoints between levels, in blocks of scale 1 (ratios are the values):
+    # the kernel (which finds levels from a float's exponent and mantissa,
+    # where the ladder allows it, else in the table) and torch operations
+    # encode the NumPy statement's bytes, and decode every code as it does.
+    levels = np.asarray(rounding.eight_bit_levels(signed), np.float32)
+    ratios = np.concatenate(
+        [
+            levels,
+            np.nextafter(levels, np.float32(0)),
+            np.nextafter(levels, np.float32(2)),
+            (levels[:-1] + levels[1:]) / np.float32(2),
+        ]
+    ).astype(np.float32)
+    ratios = ratios[(ratios <= 1) & ((ratios == 0) | (ratios >= rounding.EIGHT_BIT_SMALLEST))]
+    per_block = rounding.EIGHT_BIT_BLOCK - 1
+    blocks = -(-ratios.size // per_block)
+    x = np.zeros((blocks, rounding.EIGHT_BIT_BLOCK), np.float32)
+    x[:, 0] = 1.0  # each block's scale
+    x.reshape(-1)[np.flatnonzero(np.arange(x.size) % rounding.EIGHT_BIT_BLOCK)[: ratios.size]] = (
+        ratios
+    )
+    x = x.reshape(-1)[: -3 or None]  # a partial last block
+    if signed:
+        x[1::2] *= -1
+    n = x.size
+    for stochastic in (True, False):
+        codes, scales = rounding.eight_bit_encode_reference(x, signed, 3, stochastic, 11)
+        for kernel in (_state_dtype._cpu_kernel, lambda: None):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(_state_dtype, "_cpu_kernel", kernel)
+                packed = torch.zeros(_state_dtype.packed_numel(n), dtype=U8)
+                stored = _state_dtype._Packed(packed, n, 0, n)
+                _state_dtype.quantize_(stored, torch.from_numpy(x), signed, 3, stochastic, start=11)
+                assert np.array_equal(packed[4 * blocks :].numpy(), codes)
+                assert np.array_equal(packed[: 4 * blocks].view(torch.float32).numpy(), scales)
+                every_code = (np.arange(n) % 256).astype(np.uint8)
+                packed[4 * blocks :] = torch.from_numpy(every_code)
+                out = torch.empty(n)
+                _state_dtype.dequantize_(out, _state_dtype._Packed(packed, n, 0, n), signed)
+                want = rounding.eight_bit_decode_reference(every_code, scales, signed)
+                assert np.array_equal(np.nan_to_num(want, nan=7.0), out.nan_to_num(7.0).numpy())
+
+
 # ------------------------------------------------------------- reading the state
 def _decode_by_hand(packed: torch.Tensor, shape: torch.Size, signed: bool) -> torch.Tensor:
     """The 8-bit layout as docs/torch.md describes it, decoded here: a float32

@@ -22,6 +22,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kGrain = 1 << 15;
@@ -435,11 +439,48 @@ namespace {
 
 // The levels of an 8-bit state and how to find them: `lv` ascending, `nl` of
 // them, `per_octave` levels per halving (qhoptim.rounding.EIGHT_BIT_PER_OCTAVE).
+// `geometric`: the levels are 0 and octave[r] * 2**q, the level k's r and q
+// those of k - (nl - 1) = 8 q + r (0 <= r < 8), octave[8] = 2 (ladder_of
+// checks it against the table); the vector loops then find and read levels
+// with register permutes, where reading them from the table would take a
+// gather (which compilers spell as eight scalar loads) per value.
+constexpr int kOctave = 8;
 struct Ladder {
   const float* lv;
   int nl;
   int per_octave;
+  bool geometric;
+  float octave[kOctave + 1];
 };
+
+// Whether `lv` is a geometric ladder of kOctave levels per octave (see
+// Ladder), its octave written to `octave`; also that the vector loops' first
+// guess of a level, from the top three bits of a mantissa, is the level or
+// the one below it.
+bool geometric_ladder(const float* lv, int nl, float* octave) {
+  const int top = nl - 1;
+  if (nl < kOctave + 2 || lv[0] != 0.0f || lv[top] != 1.0f) {
+    return false;
+  }
+  for (int r = 0; r < kOctave; ++r) {
+    octave[r] = 2.0f * lv[top - kOctave + r];
+  }
+  octave[kOctave] = 2.0f;
+  for (int k = 1; k <= top; ++k) {
+    const int d = k - top;  // <= 0: q = floor(d / 8), r = d mod 8
+    if (lv[k] != std::ldexp(octave[d & (kOctave - 1)], d >> 3)) {
+      return false;
+    }
+  }
+  for (int r = 0; r < kOctave; ++r) {
+    const float start = 1.0f + static_cast<float>(r) / kOctave;  // the mantissas r * 1/8 ..
+    if (!(octave[r] < octave[r + 1]) || !(octave[r] <= start) ||
+        (r + 2 <= kOctave && !(octave[r + 2] >= start + 1.0f / kOctave))) {
+      return false;
+    }
+  }
+  return true;
+}
 
 // One block's 8-bit arithmetic, written for the compiler to vectorize (with
 // AVX2, 8 values at a time, the table read by gathers): 32-bit integers, no
@@ -465,11 +506,64 @@ inline float block_scale(const float* __restrict__ x, int len) {
   return scale;
 }
 
+#if defined(__AVX2__)
+// The vector loops of a geometric ladder (Ladder), 8 values at a time: the
+// same numbers as the loops below them, which finish each block's last few
+// values. A level k >= 1 is octave[r] * 2**q exactly (q >= -32), so the
+// products below are those of the table's level.
+
+// 2**q for 8 integers q > -127.
+inline __m256 power_of_two(__m256i q) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(127)), 23));
+}
+
+template <bool SIGNED>
+inline int decode_values_avx2(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
+                              float scale, const Ladder& ladder) {
+  const __m256 octave = _mm256_loadu_ps(ladder.octave);
+  const __m256i top = _mm256_set1_epi32(ladder.nl - 1), zero = _mm256_setzero_si256();
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  int i = 0;
+  for (; i + 8 <= len; i += 8) {
+    __m128i bytes;
+    std::memcpy(&bytes, c + i, 8);  // the low 8 bytes; the rest is unused
+    const __m256i code = _mm256_cvtepu8_epi32(bytes);
+    const __m256i k = SIGNED ? _mm256_and_si256(code, _mm256_set1_epi32(127)) : code;
+    const __m256i d = _mm256_sub_epi32(k, top);
+    const __m256 level =
+        _mm256_mul_ps(_mm256_permutevar8x32_ps(octave, d),  // permutes read d's 3 low bits
+                      power_of_two(_mm256_srai_epi32(d, 3)));
+    __m256 value = _mm256_mul_ps(level, scale8);
+    value = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(k, zero)), value);  // level 0
+    if constexpr (SIGNED) {
+      const __m256i negative = _mm256_cmpgt_epi32(code, _mm256_set1_epi32(128));
+      value = _mm256_xor_ps(value, _mm256_castsi256_ps(_mm256_slli_epi32(negative, 31)));
+      const __m256i non_finite = _mm256_cmpeq_epi32(code, _mm256_set1_epi32(kSignedNonFinite));
+      value = _mm256_blendv_ps(value, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                               _mm256_castsi256_ps(non_finite));
+    } else {
+      const __m256i infinite = _mm256_cmpeq_epi32(code, _mm256_set1_epi32(kUnsignedInfinite));
+      value = _mm256_blendv_ps(value, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                               _mm256_castsi256_ps(infinite));
+    }
+    _mm256_storeu_ps(x + i, value);
+  }
+  return i;
+}
+#endif
+
 // Decode `len` codes of a block of `scale` into `x`.
 template <bool SIGNED>
 inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
-                          float scale, const float* __restrict__ lv) {
-  for (int i = 0; i < len; ++i) {
+                          float scale, const Ladder& ladder) {
+  const float* __restrict__ lv = ladder.lv;
+  int i = 0;
+#if defined(__AVX2__)
+  if (ladder.geometric) {
+    i = decode_values_avx2<SIGNED>(x, c, len, scale, ladder);
+  }
+#endif
+  for (; i < len; ++i) {
     const int code = c[i];
     if constexpr (SIGNED) {
       const float value = lv[code & 127] * scale;
@@ -484,14 +578,121 @@ inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, 
   }
 }
 
+#if defined(__AVX2__)
+// hash32 of 8 positions.
+inline __m256i hash32_avx2(uint32_t seed, __m256i position) {
+  __m256i x = _mm256_xor_si256(
+      _mm256_mullo_epi32(position, _mm256_set1_epi32(static_cast<int>(0x9E3779B9u))),
+      _mm256_set1_epi32(static_cast<int>(seed)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// encode_values' loop for a geometric ladder, 8 values at a time (positions
+// below 2**32): the level below a ratio 2**e * m (1 <= m < 2) is 8 e + r
+// levels from the top, r the last with octave[r] <= m -- the mantissa's top
+// three bits or one more (geometric_ladder checks that). The same codes as
+// the loop of encode_values, step for step.
+template <bool SIGNED, bool STOCHASTIC>
+inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__ x,
+                              uint32_t first, int len, float inverse_scale, const Ladder& ladder,
+                              uint32_t s) {
+  const int nl = ladder.nl;
+  const __m256 octave = _mm256_loadu_ps(ladder.octave);
+  const __m256 octave_above = _mm256_loadu_ps(ladder.octave + 1);
+  const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 smallest = _mm256_set1_ps(kSmallestNormal);
+  const __m256 inverse = _mm256_set1_ps(inverse_scale);
+  const __m256i top = _mm256_set1_epi32(nl - 1), highest_low = _mm256_set1_epi32(nl - 2);
+  const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+  const __m256 first_level = _mm256_set1_ps(ladder.lv[1]);
+  const __m256 last_below = _mm256_set1_ps(ladder.lv[nl - 2]);
+  const __m256 last_above = _mm256_set1_ps(ladder.lv[nl - 1]);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256 value = _mm256_loadu_ps(x + i);
+    const __m256 absolute = _mm256_and_ps(value, magnitude_mask);
+    const __m256 finite = _mm256_cmp_ps(absolute, largest, _CMP_LE_OQ);
+    const __m256 magnitude =
+        _mm256_andnot_ps(_mm256_cmp_ps(absolute, smallest, _CMP_LT_OQ), absolute);
+    __m256 ratio = _mm256_mul_ps(magnitude, inverse);
+    ratio = _mm256_andnot_ps(_mm256_cmp_ps(ratio, smallest, _CMP_NGE_UQ), ratio);  // NaN, tiny: 0
+    const __m256i bits = _mm256_castps_si256(ratio);
+    const __m256 mantissa = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x3F800000)));
+    const __m256i guess = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), 20);
+    const __m256i up_one = _mm256_castps_si256(
+        _mm256_cmp_ps(mantissa, _mm256_permutevar8x32_ps(octave_above, guess), _CMP_GE_OQ));
+    const __m256i r = _mm256_sub_epi32(guess, up_one);  // 0 .. 7
+    const __m256 power = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000)));
+    __m256 below = _mm256_mul_ps(_mm256_permutevar8x32_ps(octave, r), power);
+    __m256 above = _mm256_mul_ps(_mm256_permutevar8x32_ps(octave_above, r), power);
+    // k = top + 8 e + r, e = the exponent's bits - 127
+    const __m256i exponent = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+    __m256i low = _mm256_add_epi32(top, _mm256_add_epi32(_mm256_slli_epi32(exponent, 3), r));
+    // Below the first level (0 included): between 0 and it. At or past the
+    // top: the last pair.
+    const __m256 under = _mm256_castsi256_ps(_mm256_cmpgt_epi32(one, low));
+    const __m256 over = _mm256_castsi256_ps(_mm256_cmpgt_epi32(low, highest_low));
+    low = _mm256_min_epi32(_mm256_max_epi32(low, zero), highest_low);
+    below = _mm256_blendv_ps(_mm256_andnot_ps(under, below), last_below, over);
+    above = _mm256_blendv_ps(_mm256_blendv_ps(above, first_level, under), last_above, over);
+    __m256 threshold = _mm256_set1_ps(0.5f);
+    if constexpr (STOCHASTIC) {
+      const __m256i position = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + i)), lanes);
+      const __m256i noise =
+          _mm256_and_si256(hash32_avx2(s, position), _mm256_set1_epi32(0xFFFF));
+      threshold = _mm256_mul_ps(_mm256_cvtepi32_ps(noise), _mm256_set1_ps(0x1p-16f));
+    }
+    const __m256i up = _mm256_castps_si256(
+        _mm256_cmp_ps(_mm256_sub_ps(ratio, below),
+                      _mm256_mul_ps(threshold, _mm256_sub_ps(above, below)), _CMP_GT_OQ));
+    __m256i code = _mm256_sub_epi32(low, up);
+    const __m256i keep = _mm256_castps_si256(finite);
+    if constexpr (SIGNED) {
+      const __m256i negative =
+          _mm256_castps_si256(_mm256_cmp_ps(value, _mm256_setzero_ps(), _CMP_LT_OQ));
+      const __m256i nonzero = _mm256_cmpgt_epi32(code, zero);
+      code = _mm256_add_epi32(
+          code, _mm256_and_si256(_mm256_and_si256(negative, nonzero), _mm256_set1_epi32(128)));
+      code = _mm256_blendv_epi8(_mm256_set1_epi32(kSignedNonFinite), code, keep);
+    } else {
+      const __m256i positive = _mm256_cmpgt_epi32(bits, zero);
+      code = _mm256_max_epi32(
+          code, _mm256_and_si256(positive, _mm256_set1_epi32(kUnsignedInfinite + 1)));
+      code = _mm256_blendv_epi8(_mm256_set1_epi32(kUnsignedInfinite), code, keep);
+    }
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                           _mm256_extracti128_si256(code, 1));
+    const __m128i bytes = _mm_packus_epi16(words, words);
+    std::memcpy(c + i, &bytes, 8);
+  }
+  return i;
+}
+#endif
+
 // Encode `len` values `x` of a block of `scale` (the values `first ..` of their
 // tensor, the noise's counter) into `c`.
 template <bool SIGNED, bool STOCHASTIC, bool FOLD>
 inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, int64_t first,
-                          int len, float inverse_scale, const Ladder ladder, uint32_t s) {
+                          int len, float inverse_scale, const Ladder& ladder, uint32_t s) {
   const float* __restrict__ lv = ladder.lv;
   const int nl = ladder.nl, per_octave = ladder.per_octave;
-  for (int i = 0; i < len; ++i) {
+  int i = 0;
+#if defined(__AVX2__)
+  if constexpr (!FOLD) {
+    if (ladder.geometric) {
+      i = encode_values_avx2<SIGNED, STOCHASTIC>(c, x, static_cast<uint32_t>(first), len,
+                                                 inverse_scale, ladder, s);
+    }
+  }
+#endif
+  for (; i < len; ++i) {
     const float absolute = std::fabs(x[i]);
     const bool finite = absolute <= std::numeric_limits<float>::max();
     // Subnormal magnitudes and ratios count as 0 (qhoptim.rounding's rule:
@@ -537,10 +738,11 @@ inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, 
   }
 }
 
-inline void decode_block(float* x, const uint8_t* c, int64_t len, float scale, const float* lv,
-                         bool is_signed) {
+inline void decode_block(float* x, const uint8_t* c, int64_t len, float scale,
+                         const Ladder& ladder, bool is_signed) {
   const int n = static_cast<int>(len);
-  is_signed ? decode_values<true>(x, c, n, scale, lv) : decode_values<false>(x, c, n, scale, lv);
+  is_signed ? decode_values<true>(x, c, n, scale, ladder)
+            : decode_values<false>(x, c, n, scale, ladder);
 }
 
 // Encode one block of `len` values `x` (the values `first ..` of their tensor)
@@ -572,8 +774,10 @@ Ladder ladder_of(const at::Tensor& levels, int64_t per_octave) {
   // 256 levels at most (a byte's codes), and a guess whose products fit 32 bits.
   TORCH_CHECK(levels.numel() <= 256 && per_octave >= 1 && per_octave <= 255,
               "qhoptim fused: at most 256 levels, 1 to 255 per octave");
-  return {levels.data_ptr<float>(), static_cast<int>(levels.numel()),
-          static_cast<int>(per_octave)};
+  Ladder ladder{levels.data_ptr<float>(), static_cast<int>(levels.numel()),
+                static_cast<int>(per_octave), false, {}};
+  ladder.geometric = geometric_ladder(ladder.lv, ladder.nl, ladder.octave);
+  return ladder;
 }
 
 void quantize8_(at::Tensor codes, at::Tensor scales, at::Tensor values, at::Tensor levels,
@@ -599,12 +803,12 @@ void dequantize8_(at::Tensor values, at::Tensor codes, at::Tensor scales, at::Te
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
   float* x = values.data_ptr<float>();
-  const float* lv = levels.data_ptr<float>();
+  const Ladder ladder = ladder_of(levels, kOctave);  // decoding reads no per-octave count
   const int64_t n = values.numel();
   at::parallel_for(0, scales.numel(), 64, [=](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
-      decode_block(x + lo, c + lo, len, sc[b], lv, is_signed);
+      decode_block(x + lo, c + lo, len, sc[b], ladder, is_signed);
     }
   });
 }
@@ -649,7 +853,7 @@ void eight_bit_blocks(at::Tensor& param, std::array<at::Tensor*, K> states,
       const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
       for (int k = 0; k < K; ++k) {
         const Ladder& ladder = is_signed[k] ? signed_ladder : unsigned_ladder;
-        decode_block(local[k], packed[k].codes + lo, len, packed[k].scales[b], ladder.lv,
+        decode_block(local[k], packed[k].codes + lo, len, packed[k].scales[b], ladder,
                      is_signed[k]);
       }
       step(lo, len, local);
