@@ -59,7 +59,7 @@ def cpu_extension() -> Any:
                 # on one thread; libgomp.so.1 resolves to the copy torch has loaded.
                 # -std=c++20 (ISO) keeps FMA contraction off: the same rounding either way.
                 extra_cflags=["-O3", "-fno-math-errno", "-fopenmp"]
-                + (["-mavx2", "-mfma"] if _wide_vectors() else []),
+                + _VECTOR_FLAGS[_vector_width()],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_directory),
                 verbose=False,
@@ -71,10 +71,26 @@ def cpu_extension() -> Any:
         ) from error
 
 
-def _wide_vectors() -> bool:
-    # The vector width torch found this CPU to have (it dispatches its own
-    # kernels likewise): AVX2 and FMA where present, else the compiler's baseline.
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+# The compiler's flags for each vector width torch dispatches its own kernels
+# to. AVX-512 builds prefer 512-bit vectors (GCC's default for most targets is
+# 256): the fused float32 step on one tensor of 1e6 values measured 0.91x torch's
+# fused SGD with them, 1.0x without; the arithmetic is the same either way
+# (no contraction into FMAs, no reductions but maxima).
+_VECTOR_FLAGS = {
+    "": [],
+    "avx2": ["-mavx2", "-mfma"],
+    "avx512": [
+        *("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+        "-mprefer-vector-width=512",
+    ],
+}
+
+
+def _vector_width() -> str:
+    """The vector width torch found this CPU to have: a key of ``_VECTOR_FLAGS``
+    ("" for the compiler's baseline)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return {"AVX2": "avx2", "AVX512": "avx512"}.get(capability, "")
 
 
 def _extension_name() -> str:
@@ -85,7 +101,9 @@ def _extension_name() -> str:
     digest = hashlib.sha256(_CSRC.read_bytes())
     digest.update(str(torch.version.git_version).encode())
     return (
-        "qhoptim_fused_cpu" + ("_avx2" if _wide_vectors() else "") + f"_{digest.hexdigest()[:12]}"
+        "qhoptim_fused_cpu"
+        + (f"_{_vector_width()}" if _vector_width() else "")
+        + f"_{digest.hexdigest()[:12]}"
     )
 
 

@@ -8,6 +8,11 @@ parameters drift from a float32-state run by the accumulated rounding.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -479,6 +484,40 @@ def test_8_bit_bytes_at_and_beside_every_level_are_the_rules(signed: bool) -> No
                 _state_dtype.dequantize_(out, _state_dtype._Packed(packed, n, 0, n), signed)
                 want = rounding.eight_bit_decode_reference(every_code, scales, signed)
                 assert np.array_equal(np.nan_to_num(want, nan=7.0), out.nan_to_num(7.0).numpy())
+
+
+# The C++ kernel's builds besides this CPU's own: torch's capabilities below it
+# (ATEN_CPU_CAPABILITY), each with qhoptim's vector width for it.
+_CAPABILITIES = {"DEFAULT": "", "AVX2": "avx2", "AVX512": "avx512"}
+_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+_ORDER = list(_CAPABILITIES)
+_BELOW = _ORDER[: _ORDER.index(_CAPABILITY)] if _CAPABILITY in _ORDER else []
+
+
+@pytest.mark.parametrize("capability", _BELOW)
+def test_every_vector_width_of_the_kernel_encodes_the_rules_bytes(capability: str) -> None:
+    # The kernel is compiled for the vector width torch finds: AVX-512 and AVX2
+    # builds find levels with register permutes (16 and 8 values at a time),
+    # others in the table, one value at a time. This CPU runs its own build
+    # above; each narrower one here, in a fresh process (a build on first use),
+    # holds to the same bytes at every level.
+    program = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import test_torch_state_dtype as tests
+        from qhoptim.torch import _extension
+        assert _extension._vector_width() == {_CAPABILITIES[capability]!r}
+        for signed in (True, False):
+            tests.test_8_bit_bytes_at_and_beside_every_level_are_the_rules(signed)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ATEN_CPU_CAPABILITY"] = capability.lower()
+    proc = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # ------------------------------------------------------------- reading the state
