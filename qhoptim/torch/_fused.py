@@ -8,8 +8,8 @@ kernel layer (:mod:`qhoptim.torch._kernels`, from :mod:`qhoptim.rules`); only
 their application is fused:
 
 * **CPU**: a C++ kernel (``csrc/fused_cpu.cpp``), vectorized and parallel over
-  elements, compiled with ``torch.utils.cpp_extension`` on first use (about
-  half a minute) and cached on disk (``TORCH_EXTENSIONS_DIR``) for every later
+  elements, compiled with ``torch.utils.cpp_extension`` on first use (under
+  a minute) and cached on disk (``TORCH_EXTENSIONS_DIR``) for every later
   process. It needs a C++ compiler and ninja.
 * **CUDA**: Triton kernels (:mod:`qhoptim.torch._triton`), one launch per
   device and dtype over every tensor of a param group, and nothing else on
