@@ -495,12 +495,14 @@ _BELOW = _ORDER[: _ORDER.index(_CAPABILITY)] if _CAPABILITY in _ORDER else []
 
 
 @pytest.mark.parametrize("capability", _BELOW)
-def test_every_vector_width_of_the_kernel_encodes_the_rules_bytes(capability: str) -> None:
+def test_every_vector_width_of_the_kernel_takes_the_same_steps(
+    capability: str, tmp_path: Path
+) -> None:
     # The kernel is compiled for the vector width torch finds: AVX-512 and AVX2
     # builds find levels with register permutes (16 and 8 values at a time),
     # others in the table, one value at a time. This CPU runs its own build
     # above; each narrower one here, in a fresh process (a build on first use),
-    # holds to the same bytes at every level.
+    # holds to the same bytes at every level and takes the same steps.
     program = textwrap.dedent(
         f"""
         import sys
@@ -510,14 +512,54 @@ def test_every_vector_width_of_the_kernel_encodes_the_rules_bytes(capability: st
         assert _extension._vector_width() == {_CAPABILITIES[capability]!r}
         for signed in (True, False):
             tests.test_8_bit_bytes_at_and_beside_every_level_are_the_rules(signed)
+        inputs = torch.load({str(tmp_path / "inputs.pt")!r})
+        torch.save(tests.fused_steps(*inputs), {str(tmp_path / "steps.pt")!r})
         """
     )
+    # The inputs made here: torch's own sampling differs between vector widths.
+    params = _params()
+    inputs = ([p.detach() for p in params], [_grads(params, t) for t in range(3)])
+    torch.save(inputs, tmp_path / "inputs.pt")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["ATEN_CPU_CAPABILITY"] = capability.lower()
     proc = subprocess.run(
-        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", "import torch\n" + program],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # And the same steps, bit for bit: no build contracts a product and a sum
+    # into a fused multiply-add (which only some CPUs have).
+    theirs, ours = torch.load(tmp_path / "steps.pt"), fused_steps(*inputs)
+    assert theirs.keys() == ours.keys()
+    for key, tensor in ours.items():
+        assert torch.equal(theirs[key], tensor), key
+
+
+def fused_steps(
+    start: list[torch.Tensor], grads: list[list[torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """Parameters and states after fused steps of QHM and QHAdam(W) from ``start``
+    by ``grads`` (one list per step), with float32, bfloat16 and 8-bit state, on
+    CPU (the C++ kernel)."""
+    out: dict[str, torch.Tensor] = {}
+    for cls, kwargs in CONFIGS:
+        for state_dtype in (None, torch.bfloat16, U8):
+            params = [torch.nn.Parameter(p.clone()) for p in start]
+            opt = cls(params, **kwargs, fused=True, state_dtype=state_dtype)
+            for step_grads in grads:
+                for p, g in zip(params, step_grads, strict=True):
+                    p.grad = g.clone()
+                opt.step()
+            name = f"{cls.__name__} {kwargs} {state_dtype}"
+            for i, p in enumerate(params):
+                out[f"{name} param {i}"] = p.detach().clone()
+                for key, value in opt.state[p].items():
+                    if torch.is_tensor(value):
+                        out[f"{name} {key} {i}"] = value.clone()
+    return out
 
 
 # ------------------------------------------------------------- reading the state
