@@ -13,7 +13,11 @@ Prints, for QHM and QHAdam with float32 parameters:
   of interleaved steps), foreach and fused;
 * a digits MLP (scikit-learn's 8x8 digits, the sweep's 64-200-100-50-10
   network and data split) trained for ``--epochs`` epochs over ``--seeds``
-  seeds with each state dtype: the mean validation error and its spread.
+  seeds with each state dtype: the mean validation error and its spread;
+* QHAdam's paths and state dtypes against ``torch.optim.Adam(fused=True)``
+  with float32 state, on ResNet-18 shapes and one tensor of about 1e7 values (and
+  bitsandbytes' ``Adam8bit`` and torchao's ``AdamW8bit``, optional: rows where
+  they are installed, a note where not).
 """
 
 from __future__ import annotations
@@ -107,6 +111,104 @@ def step_times(name: str, flags: dict[str, Any], steps: int) -> dict[str, float]
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+# The comparison with torch's fused Adam and other 8-bit Adams: QHAdam's
+# settings (nu1 = 0.7, nu2 = 1), the same lr and betas for the others.
+_LR, _BETAS = SETTINGS["QHAdam"][1]["lr"], SETTINGS["QHAdam"][1]["betas"]
+COMPARED: dict[str, Any] = {
+    "torch Adam fused, float32 state": lambda p: torch.optim.Adam(
+        p, lr=_LR, betas=_BETAS, fused=True
+    ),
+    "QHAdam fused, float32 state": lambda p: _make("QHAdam", p, None, fused=True),
+    "QHAdam fused, bfloat16 state": lambda p: _make("QHAdam", p, torch.bfloat16, fused=True),
+    "QHAdam foreach, bfloat16 state": lambda p: _make("QHAdam", p, torch.bfloat16, foreach=True),
+    "QHAdam fused, 8-bit state": lambda p: _make("QHAdam", p, torch.uint8, fused=True),
+    "QHAdam default path, 8-bit state": lambda p: _make("QHAdam", p, torch.uint8),
+}
+
+
+def _other_eight_bit_adams() -> tuple[dict[str, Any], list[str]]:
+    """bitsandbytes' and torchao's 8-bit Adams where they are installed, and a note
+    for each that is not (they are optional: neither is a dependency)."""
+    found: dict[str, Any] = {}
+    notes = []
+    try:
+        import bitsandbytes
+
+        found[f"bitsandbytes {bitsandbytes.__version__} Adam8bit"] = lambda p: (
+            bitsandbytes.optim.Adam8bit(p, lr=_LR, betas=_BETAS)
+        )
+    except ImportError:
+        notes.append("bitsandbytes is not installed (`pip install bitsandbytes`): no row")
+    try:
+        import torchao
+        from torchao.optim import AdamW8bit
+
+        found[f"torchao {torchao.__version__} AdamW8bit (weight_decay=0)"] = lambda p: AdamW8bit(
+            p, lr=_LR, betas=_BETAS, weight_decay=0.0
+        )
+    except ImportError:
+        notes.append("torchao is not installed (`pip install torchao`): no row")
+    return found, notes
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor holds: a tensor subclass's (torchao's 8-bit state) are
+    its inner tensors', not its dtype's size times its shape."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def _state_bytes(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:
+    """Bytes of state tensors per parameter value (step counts and other 0-d
+    tensors left out)."""
+    total = sum(
+        _tensor_bytes(v)
+        for p in params
+        for v in opt.state[p].values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+    return total / sum(p.numel() for p in params)
+
+
+def compare(steps: int) -> None:
+    """QHAdam's paths and state dtypes against torch's fused Adam with float32 state
+    (and bitsandbytes' and torchao's 8-bit Adams where installed), in one
+    interleaved run per set of shapes: the median step over ``steps`` rounds."""
+    others, notes = _other_eight_bit_adams()
+    makers = {**COMPARED, **others}
+    base = "torch Adam fused, float32 state"
+    # About 1e7 values in whole blocks of 256: torchao quantizes only such tensors.
+    flat = 10**7 // 256 * 256
+    for label, shapes in (("ResNet-18 shapes", RESNET18), (f"one tensor of {flat:,}", [(flat,)])):
+        gen = torch.Generator().manual_seed(0)
+        runs = {}
+        for name, make in makers.items():
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            runs[name] = (make(params), params)
+        for opt, _ in runs.values():  # warm-up (builds, compilations)
+            opt.step()
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(steps):
+            for name, (opt, _) in runs.items():
+                t = time.perf_counter()
+                opt.step()
+                times[name].append(time.perf_counter() - t)
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"\n### {label}: step time against torch's fused Adam (float32 state)\n")
+        print("| step | ms | vs torch Adam fused | state bytes / value |\n|---|---:|---:|---:|")
+        for name, (opt, params) in runs.items():
+            print(
+                f"| {name} | {ms[name]:.1f} | {ms[name] / ms[base]:.2f}x "
+                f"| {_state_bytes(opt, params):.2f} |"
+            )
+    for note in notes:
+        print(f"\n{note}")
+
+
 def digits_errors(
     name: str, state_dtype: torch.dtype | None, seeds: int, epochs: int
 ) -> list[float]:
@@ -187,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"step time foreach {b['foreach_ms'] / a['foreach_ms']:.2f}x, "
                 f"fused {b['fused_ms'] / a['fused_ms']:.2f}x"
             )
+    compare(args.steps)
     return 0
 
 

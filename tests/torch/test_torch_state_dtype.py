@@ -430,14 +430,24 @@ def test_8_bit_bytes_of_values_over_sixty_decades_are_the_rules() -> None:
     blocks = -(-n // 256)
     for signed, x in ((True, values), (False, values * values)):
         codes, scales = rounding.eight_bit_encode_reference(x, signed, 5, True, 77)
-        for kernel in (_state_dtype._cpu_kernel, lambda: None):
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(_state_dtype, "_cpu_kernel", kernel)
-                packed = torch.zeros(_state_dtype.packed_numel(n), dtype=U8)
-                stored = _state_dtype._Packed(packed, n, 0, n)
-                _state_dtype.quantize_(stored, torch.from_numpy(x), signed, 5, True, start=77)
+        for kernel in (True, False):
+            packed = _encoded(x, signed, 5, True, 77, kernel=kernel)
             assert np.array_equal(packed[4 * blocks :].numpy(), codes)
             assert np.array_equal(packed[: 4 * blocks].view(torch.float32).numpy(), scales)
+
+
+def _encoded(
+    x: np.ndarray, signed: bool, seed: int, stochastic: bool, start: int, *, kernel: bool
+) -> torch.Tensor:
+    """``x`` as a packed 8-bit state, encoded by the C++ kernel (CPU) or, without
+    it, by torch operations."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not kernel:
+            patch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
+        packed = torch.zeros(_state_dtype.packed_numel(x.size), dtype=U8)
+        stored = _state_dtype._Packed(packed, x.size, 0, x.size)
+        _state_dtype.quantize_(stored, torch.from_numpy(x), signed, seed, stochastic, start=start)
+    return packed
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
@@ -470,20 +480,19 @@ def test_8_bit_bytes_at_and_beside_every_level_are_the_rules(signed: bool) -> No
     n = x.size
     for stochastic in (True, False):
         codes, scales = rounding.eight_bit_encode_reference(x, signed, 3, stochastic, 11)
-        for kernel in (_state_dtype._cpu_kernel, lambda: None):
+        for kernel in (True, False):
+            packed = _encoded(x, signed, 3, stochastic, 11, kernel=kernel)
+            assert np.array_equal(packed[4 * blocks :].numpy(), codes)
+            assert np.array_equal(packed[: 4 * blocks].view(torch.float32).numpy(), scales)
+            every_code = (np.arange(n) % 256).astype(np.uint8)
+            packed[4 * blocks :] = torch.from_numpy(every_code)
+            out = torch.empty(n)
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(_state_dtype, "_cpu_kernel", kernel)
-                packed = torch.zeros(_state_dtype.packed_numel(n), dtype=U8)
-                stored = _state_dtype._Packed(packed, n, 0, n)
-                _state_dtype.quantize_(stored, torch.from_numpy(x), signed, 3, stochastic, start=11)
-                assert np.array_equal(packed[4 * blocks :].numpy(), codes)
-                assert np.array_equal(packed[: 4 * blocks].view(torch.float32).numpy(), scales)
-                every_code = (np.arange(n) % 256).astype(np.uint8)
-                packed[4 * blocks :] = torch.from_numpy(every_code)
-                out = torch.empty(n)
+                if not kernel:
+                    patch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
                 _state_dtype.dequantize_(out, _state_dtype._Packed(packed, n, 0, n), signed)
-                want = rounding.eight_bit_decode_reference(every_code, scales, signed)
-                assert np.array_equal(np.nan_to_num(want, nan=7.0), out.nan_to_num(7.0).numpy())
+            want = rounding.eight_bit_decode_reference(every_code, scales, signed)
+            assert np.array_equal(np.nan_to_num(want, nan=7.0), out.nan_to_num(7.0).numpy())
 
 
 # The C++ kernel's builds besides this CPU's own: torch's capabilities below it
