@@ -77,11 +77,14 @@ void check_lists(const std::vector<at::Tensor>& params, const std::vector<at::Te
 }
 
 // A 32-bit hash of a seed and an element's position (lowbias32's mixer): the
-// stochastic rounding's noise, counter-based (qhoptim.rounding.noise16).
-// qhoptim.torch._state_dtype.hash32 computes the same numbers with torch's
-// integer ops for the other paths.
-inline uint32_t hash32(uint32_t seed, uint32_t position) {
-  uint32_t x = position * 0x9E3779B9u ^ seed;
+// stochastic rounding's noise, counter-based (qhoptim.rounding.noise16), here
+// from its first product, key = position * kGolden (mod 2**32; see
+// position_key). qhoptim.torch._state_dtype.hash32 computes the same numbers
+// with torch's integer ops for the other paths.
+constexpr uint32_t kGolden = 0x9E3779B9u;
+
+inline uint32_t hash32_of_key(uint32_t seed, uint32_t key) {
+  uint32_t x = key ^ seed;
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -105,6 +108,18 @@ inline uint32_t position_of(int64_t first, int64_t i) {
 
 inline bool needs_fold(int64_t first, int64_t n) { return first + n > (int64_t{1} << 32); }
 
+// position_of(first, i) * kGolden, the hash's key: below 2**32 an affine
+// function of i, which the vectorized loops advance by an addition per vector
+// instead of a multiplication per value.
+template <bool FOLD>
+inline uint32_t position_key(int64_t first, int64_t i) {
+  if constexpr (FOLD) {
+    return position_of<true>(first, i) * kGolden;
+  } else {
+    return static_cast<uint32_t>(first) * kGolden + static_cast<uint32_t>(i) * kGolden;
+  }
+}
+
 // f(fold, low) with both flags as compile-time constants (std::bool_constant).
 // A fold is only ever needed by a bfloat16 state's chunk past 2**32 values.
 template <typename F>
@@ -121,12 +136,12 @@ inline void with_flags(bool fold, bool low, F&& f) {
 // 16 random bits carry into the kept half exactly as often as they are
 // large, which makes the rounding unbiased.
 template <typename state_t, bool SR, typename opmath_t>
-inline state_t store(opmath_t value, uint32_t seed, uint32_t position) {
+inline state_t store(opmath_t value, uint32_t seed, uint32_t key) {
   if constexpr (SR) {
     const float f = static_cast<float>(value);
     uint32_t bits;
     std::memcpy(&bits, &f, sizeof(bits));
-    bits = (bits + (hash32(seed, position) & 0xFFFFu)) & 0xFFFF0000u;
+    bits = (bits + (hash32_of_key(seed, key) & 0xFFFFu)) & 0xFFFF0000u;
     return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
   } else {
     return static_cast<state_t>(value);
@@ -170,7 +185,7 @@ void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t
     const opmath_t pi = static_cast<opmath_t>(p[i]);
     const opmath_t gi = coupled_gradient<COUPLED>(static_cast<opmath_t>(g[i]) * gm, wd, pi);
     const opmath_t bi = lerp<LOW>(static_cast<opmath_t>(b[i]), gi, w);
-    b[i] = store<state_t, SR>(bi, seed, position_of<FOLD>(first, i));
+    b[i] = store<state_t, SR>(bi, seed, position_key<FOLD>(first, i));
     p[i] = static_cast<scalar_t>(pi * df + bv * bi + gv * gi);
   }
 }
@@ -216,7 +231,7 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   // would keep the loop from vectorizing.
   const uint32_t seed_m = seeds[0], seed_s = seeds[1], seed_v = seeds[2];
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t at = position_of<FOLD>(first, i);
+    const uint32_t at = position_key<FOLD>(first, i);
     const opmath_t pi = static_cast<opmath_t>(p[i]);
     const opmath_t gi = coupled_gradient<COUPLED>(static_cast<opmath_t>(g[i]) * gm, wd, pi);
     const opmath_t mi = lerp<LOW>(static_cast<opmath_t>(m[i]), gi, w1);
@@ -398,7 +413,7 @@ void stochastic_round_(at::Tensor dst, at::Tensor src, int64_t seed, int64_t sta
       constexpr bool kFold = decltype(fold_tag)::value;
       for (int64_t i = 0; i < end - begin; ++i) {
         d[begin + i] = store<c10::BFloat16, true>(x[begin + i], s,
-                                                  position_of<kFold>(start + begin, i));
+                                                  position_key<kFold>(start + begin, i));
       }
     };
     with_flags(needs_fold(start + begin, end - begin), false, chunk);
@@ -627,11 +642,9 @@ inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, 
 }
 
 #if defined(__AVX2__)
-// hash32 of 8 positions.
-inline __m256i hash32_avx2(uint32_t seed, __m256i position) {
-  __m256i x = _mm256_xor_si256(
-      _mm256_mullo_epi32(position, _mm256_set1_epi32(static_cast<int>(0x9E3779B9u))),
-      _mm256_set1_epi32(static_cast<int>(seed)));
+// hash32_of_key of 8 keys.
+inline __m256i hash32_of_key_avx2(uint32_t seed, __m256i key) {
+  __m256i x = _mm256_xor_si256(key, _mm256_set1_epi32(static_cast<int>(seed)));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
@@ -660,9 +673,14 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
   const __m256 first_level = _mm256_set1_ps(ladder.lv[1]);
   const __m256 last_below = _mm256_set1_ps(ladder.lv[nl - 2]);
   const __m256 last_above = _mm256_set1_ps(ladder.lv[nl - 1]);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // The lanes' hash keys (position_key), advanced by 8 positions' worth a vector.
+  __m256i key = _mm256_add_epi32(
+      _mm256_set1_epi32(static_cast<int>(first * kGolden)),
+      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                         _mm256_set1_epi32(static_cast<int>(kGolden))));
+  const __m256i key_step = _mm256_set1_epi32(static_cast<int>(8u * kGolden));
   int i = 0;
-  for (; i + 8 <= len; i += 8) {
+  for (; i + 8 <= len; i += 8, key = _mm256_add_epi32(key, key_step)) {
     const __m256 value = _mm256_loadu_ps(x + i);
     const __m256 absolute = _mm256_and_ps(value, magnitude_mask);
     const __m256 finite = _mm256_cmp_ps(absolute, largest, _CMP_LE_OQ);
@@ -692,9 +710,7 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
     above = _mm256_blendv_ps(_mm256_blendv_ps(above, first_level, under), last_above, over);
     __m256 threshold = _mm256_set1_ps(0.5f);
     if constexpr (STOCHASTIC) {
-      const __m256i position = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first + i)), lanes);
-      const __m256i noise =
-          _mm256_and_si256(hash32_avx2(s, position), _mm256_set1_epi32(0xFFFF));
+      const __m256i noise = _mm256_and_si256(hash32_of_key_avx2(s, key), _mm256_set1_epi32(0xFFFF));
       threshold = _mm256_mul_ps(_mm256_cvtepi32_ps(noise), _mm256_set1_ps(0x1p-16f));
     }
     const __m256i up = _mm256_castps_si256(
@@ -725,10 +741,8 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
 #endif
 
 #if defined(QHOPTIM_AVX512)
-inline __m512i hash32_avx512(uint32_t seed, __m512i position) {
-  __m512i x = _mm512_xor_si512(
-      _mm512_mullo_epi32(position, _mm512_set1_epi32(static_cast<int>(0x9E3779B9u))),
-      _mm512_set1_epi32(static_cast<int>(seed)));
+inline __m512i hash32_of_key_avx512(uint32_t seed, __m512i key) {
+  __m512i x = _mm512_xor_si512(key, _mm512_set1_epi32(static_cast<int>(seed)));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
@@ -752,9 +766,14 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
   const __m512 first_level = _mm512_set1_ps(ladder.lv[1]);
   const __m512 last_below = _mm512_set1_ps(ladder.lv[nl - 2]);
   const __m512 last_above = _mm512_set1_ps(ladder.lv[nl - 1]);
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i key = _mm512_add_epi32(
+      _mm512_set1_epi32(static_cast<int>(first * kGolden)),
+      _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(static_cast<int>(kGolden))));
+  const __m512i key_step = _mm512_set1_epi32(static_cast<int>(16u * kGolden));
   int i = 0;
-  for (; i + 16 <= len; i += 16) {
+  for (; i + 16 <= len; i += 16, key = _mm512_add_epi32(key, key_step)) {
     const __m512 value = _mm512_loadu_ps(x + i);
     const __m512 absolute = _mm512_abs_ps(value);
     const __mmask16 finite = _mm512_cmp_ps_mask(absolute, largest, _CMP_LE_OQ);
@@ -785,10 +804,8 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
     above = _mm512_mask_mov_ps(_mm512_mask_mov_ps(above, under, first_level), over, last_above);
     __m512 threshold = _mm512_set1_ps(0.5f);
     if constexpr (STOCHASTIC) {
-      const __m512i position =
-          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first + i)), lanes);
       const __m512i noise =
-          _mm512_and_si512(hash32_avx512(s, position), _mm512_set1_epi32(0xFFFF));
+          _mm512_and_si512(hash32_of_key_avx512(s, key), _mm512_set1_epi32(0xFFFF));
       threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), _mm512_set1_ps(0x1p-16f));
     }
     const __mmask16 up =
@@ -856,7 +873,8 @@ inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, 
     const float below = lv[low], above = lv[low + 1];
     float threshold = 0.5f;
     if constexpr (STOCHASTIC) {
-      threshold = static_cast<float>(hash32(s, position_of<FOLD>(first, i)) & 0xFFFFu) * 0x1p-16f;
+      threshold =
+          static_cast<float>(hash32_of_key(s, position_key<FOLD>(first, i)) & 0xFFFFu) * 0x1p-16f;
     }
     // Up with probability (ratio - below) / (above - below): compared as a
     // product, no division per value.
