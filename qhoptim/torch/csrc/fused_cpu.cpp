@@ -996,10 +996,11 @@ Packed8 packed8(at::Tensor& packed, int64_t n) {
 // decoding the whole tensor, stepping it and encoding it (the working-copy
 // path), in one pass over memory.
 template <int K, typename Step>
-void eight_bit_blocks(at::Tensor& param, std::array<at::Tensor*, K> states,
+void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tensor*, K> states,
                       std::array<bool, K> is_signed, std::array<uint32_t, K> seeds,
                       const Ladder& signed_ladder, const Ladder& unsigned_ladder, Step step) {
   const int64_t n = param.numel();
+  const float* p = param.data_ptr<float>();
   std::array<Packed8, K> packed;
   for (int k = 0; k < K; ++k) {
     packed[k] = packed8(*states[k], n);
@@ -1009,6 +1010,21 @@ void eight_bit_blocks(at::Tensor& param, std::array<at::Tensor*, K> states,
     alignas(64) float local[K][kBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
+      // The block after next asked for now: the step waits on memory for the
+      // parameter and the gradient, the encoding before it does arithmetic
+      // only, and the hardware's prefetchers do not keep up with the streams.
+      if (b + 2 < b1) {
+        const int64_t ahead = lo + 2 * kBlock, ahead_len = std::min(n - ahead, kBlock);
+        for (int64_t j = 0; j < ahead_len; j += 16) {  // a cache line of floats
+          __builtin_prefetch(p + ahead + j, 1, 3);
+          __builtin_prefetch(grad + ahead + j, 0, 3);
+        }
+        for (int k = 0; k < K; ++k) {
+          for (int64_t j = 0; j < ahead_len; j += 64) {
+            __builtin_prefetch(packed[k].codes + ahead + j, 1, 3);
+          }
+        }
+      }
       for (int k = 0; k < K; ++k) {
         const Ladder& ladder = is_signed[k] ? signed_ladder : unsigned_ladder;
         decode_block(local[k], packed[k].codes + lo, len, packed[k].scales[b], ladder,
@@ -1072,7 +1088,7 @@ void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   for_each_float32_param(params, grads, [&](size_t i, float* p, const float* g) {
     with_flags(coupled, low, [&](auto coupled_tag, auto low_tag) {
       eight_bit_blocks<1>(
-          params[i], {&momentum_buffers[i]}, {true}, {seed[3 * i]}, ladder, ladder,
+          params[i], g, {&momentum_buffers[i]}, {true}, {seed[3 * i]}, ladder, ladder,
           [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
             qhm_chunk<float, float, false, float, false, decltype(low_tag)::value,
                       decltype(coupled_tag)::value>(p + lo, g + lo, local[0], lo, len, gm, wd, df,
@@ -1119,7 +1135,7 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
         constexpr bool kLow = decltype(low_tag)::value, kCoupled = decltype(coupled_tag)::value;
         if (amsgrad) {
           eight_bit_blocks<3>(
-              params[i], {&exp_avgs[i], &exp_avg_sqs[i], &max_exp_avg_sqs[i]},
+              params[i], g, {&exp_avgs[i], &exp_avg_sqs[i], &max_exp_avg_sqs[i]},
               {true, false, false}, {seed[3 * i], seed[3 * i + 1], seed[3 * i + 2]},
               signed_ladder, unsigned_ladder, [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
                 qhadam_chunk<float, float, false, float, kForm, true, false, kLow, kCoupled>(
@@ -1128,7 +1144,7 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
               });
         } else {
           eight_bit_blocks<2>(
-              params[i], {&exp_avgs[i], &exp_avg_sqs[i]}, {true, false},
+              params[i], g, {&exp_avgs[i], &exp_avg_sqs[i]}, {true, false},
               {seed[3 * i], seed[3 * i + 1]}, signed_ladder, unsigned_ladder,
               [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
                 qhadam_chunk<float, float, false, float, kForm, false, false, kLow, kCoupled>(
