@@ -241,10 +241,21 @@ def _print_session_times() -> None:
     (ARTIFACTS / "session-times.txt").write_text(table + "\n")
 
 
-def _install(session: nox.Session, extras: str) -> None:
-    # pip too: a uv venv has none, and tests/test_packaging.py builds and
-    # installs the wheel with it, as a user's pip does.
-    session.install("-e", f".[{extras}]", "pip", *CONSTRAINTS)
+def _install(
+    session: nox.Session, extras: str, *more: str, constraints: tuple[str, ...] = CONSTRAINTS
+) -> None:
+    """This checkout, editable with ``extras``, into the session's venv (and ``more``).
+
+    pip too: a uv venv has none, and tests/test_packaging.py builds and installs
+    the wheel with it, as a user's pip does. The editable requirement is read
+    from a file, not the command line: uv rebuilds a project named on the
+    command line on every install (setuptools' editable build, 2-3 s a
+    session), and one in a requirements file only when ``[tool.uv]
+    cache-keys`` (pyproject.toml) say its metadata changed.
+    """
+    requirements = Path(session.create_tmp()) / "editable.txt"
+    requirements.write_text(f"-e {ROOT}[{extras}]\n")
+    session.install("-r", str(requirements), "pip", *more, *constraints)
 
 
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
@@ -447,7 +458,7 @@ INTEGRATIONS = ("torchvision", "timm>=1.0.12", "transformers", "accelerate", "li
 @timed
 def integrations(session: nox.Session) -> None:
     constraints = ("-c", str(ROOT / ".ci" / "integrations-constraints.txt"))
-    session.install("-e", ".[test,torch]", *INTEGRATIONS, *constraints)
+    _install(session, "test,torch", *INTEGRATIONS, constraints=constraints)
     # Every package is installed here, so every test must run.
     _pytest(session, "tests/integrations", env={"QHOPTIM_REQUIRE_ALL": "1"})
 
