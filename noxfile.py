@@ -207,6 +207,13 @@ def _keep_compiled_programs() -> None:
 
 _keep_compiled_programs()
 
+# tests/test_packaging.py builds and installs the wheel once per digest of what
+# it is made from (the sources, the Python, setuptools and pip), here for every
+# session that runs it, instead of once per test process.
+os.environ.setdefault(
+    "QHOPTIM_WHEEL_CACHE", str(Path(nox.options.envdir or ROOT / ".nox") / "_wheels")
+)
+
 _SESSION_TIMES: dict[str, tuple[float, str]] = {}
 
 

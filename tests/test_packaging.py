@@ -3,7 +3,11 @@
 A wheel is built from a copy of the checkout (so the build writes no
 ``build/`` or ``*.egg-info`` into it and cannot pick up a stale ``build/lib``),
 installed with ``pip install --target`` into a scratch directory, and imported
-in a fresh interpreter that cannot see the checkout:
+in a fresh interpreter that cannot see the checkout. The built and installed
+wheel is kept under a digest of everything it is made from (the files copied,
+the Python, setuptools and pip versions), so the test processes of one run, and
+the nox sessions that share a Python (``$QHOPTIM_WHEEL_CACHE``, set by
+noxfile.py), build it once; any changed file is a new build:
 
 * ``python -I``: no ``PYTHONPATH``, no user site-packages, no script directory
   or cwd on ``sys.path`` -- and the cwd is a scratch directory anyway;
@@ -25,7 +29,9 @@ session that installs its framework, and refused in those that do not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -35,6 +41,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -119,6 +126,70 @@ def _has_build_backend() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return int(version.split(".")[0]) >= 77
+
+
+def _wheel_inputs_digest() -> str:
+    """A digest of what ``build_and_install`` makes the wheel from, and with."""
+    digest = hashlib.sha256()
+    files = [p for p in REPO.iterdir() if p.is_file()]
+    files += [p for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    for path in sorted(files):
+        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    tools = [sys.version, *(_version_of(d) for d in ("setuptools", "pip"))]
+    digest.update("\0".join(tools).encode())
+    return digest.hexdigest()[:20]
+
+
+def _version_of(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def built_and_installed(cache: Path) -> Wheel:
+    """``build_and_install``'s wheel, built once per digest of its inputs under ``cache``.
+
+    Processes that ask at once wait for the first one's build (a file lock
+    where the platform has ``fcntl``; elsewhere each may build, and the first
+    to finish is kept). The eight most recent builds are kept.
+    """
+    cache.mkdir(parents=True, exist_ok=True)
+    kept = cache / f"qhoptim-wheel-{_wheel_inputs_digest()}"
+    with _locked(cache / f"{kept.name}.lock"):
+        if not kept.is_dir():
+            scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
+            build_and_install(scratch)
+            shutil.rmtree(scratch / "src")
+            try:
+                scratch.rename(kept)
+            except OSError:  # another process kept its build first
+                shutil.rmtree(scratch, ignore_errors=True)
+    builds = sorted(
+        (p for p in cache.glob("qhoptim-wheel-*") if p.is_dir()), key=lambda p: p.stat().st_mtime
+    )
+    for old in builds[:-8]:
+        if old != kept:
+            shutil.rmtree(old, ignore_errors=True)
+            Path(f"{old}.lock").unlink(missing_ok=True)
+    (wheel,) = (kept / "dist").glob("qhoptim-*.whl")
+    return Wheel(wheel, kept / "site")
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; a second build is only slower
+        yield
+        return
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_and_install(tmp: Path) -> Wheel:
@@ -237,7 +308,12 @@ def framework_installed(framework: str) -> bool:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Wheel:
-    return build_and_install(tmp_path_factory.mktemp("wheel"))
+    # Without $QHOPTIM_WHEEL_CACHE: beside this run's temporary folders, which
+    # pytest-xdist's workers share (the parent of each worker's base folder).
+    cache = os.environ.get("QHOPTIM_WHEEL_CACHE")
+    return built_and_installed(
+        Path(cache) if cache else tmp_path_factory.getbasetemp().parent / "wheels"
+    )
 
 
 @pytest.fixture
