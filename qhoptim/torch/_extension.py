@@ -48,10 +48,9 @@ def cpu_extension() -> Any:
     build_directory = extension_build_directory(name)
     try:
         with _builder_lock(build_directory):
-            if not (build_directory / f"{name}.so").exists():
-                built = _load_built_elsewhere(name, build_directory)
-                if built is not None:
-                    return built
+            built = _load_built(name, build_directory)
+            if built is not None:
+                return built
             return cpp_extension.load(
                 name=name,
                 sources=[str(_CSRC)],
@@ -156,26 +155,42 @@ def extension_build_directory(name: str | None = None) -> Path:
     return path
 
 
-def _load_built_elsewhere(name: str, build_directory: Path) -> Any | None:
-    """The kernel as another installation built it, if one has: the same source,
-    Python and torch build compile to the same library, whatever the paths (a
-    second virtualenv with the same torch then loads it instead of compiling).
-    ``None`` where there is none, or none loads (a build killed while linking)."""
+def _load_built(name: str, build_directory: Path) -> Any | None:
+    """The kernel as built before, here or by another installation; ``None``
+    where there is no build, or none loads (a build killed while linking).
+
+    A build's name holds a digest of its source, flags and torch build, so a
+    library under that name is this source's build whatever its files' times.
+    It is loaded without asking ninja, which compares times: a fresh clone's
+    source is newer than the library, and ninja would compile it again (25-35 s
+    a vector width, on every CI run). The same source, Python and torch build
+    compile to the same library, whatever the paths, so a second virtualenv with
+    the same torch loads the first one's build instead of compiling its own.
+    """
+    own = build_directory / f"{name}.so"
+    if own.is_file() and (module := _load_library(name, own)) is not None:
+        return module
     for other in sorted(_builds_of(name).iterdir()):
         library = other / f"{name}.so"
         if other == build_directory or not library.is_file():
             continue
         with _builder_lock(other):  # not while its own builder writes it
-            try:
-                spec = importlib.util.spec_from_file_location(name, library)
-                if spec is None or spec.loader is None:
-                    continue
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-            except ImportError:
-                continue
+            module = _load_library(name, library)
+        if module is not None:
             return module
     return None
+
+
+def _load_library(name: str, library: Path) -> Any | None:
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
 
 
 @contextlib.contextmanager

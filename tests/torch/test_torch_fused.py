@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -322,6 +323,33 @@ def test_a_build_killed_part_way_does_not_block_the_next_process() -> None:
         pytest.fail("the kernel's load waited on a lock file its builder left behind")
     finally:
         stale.unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_fresh_checkout_loads_the_build_without_compiling_it_again() -> None:
+    # A fresh clone's source is newer than the library built from the same
+    # bytes (the build's name holds their digest); ninja, which compares file
+    # times, would compile it again. The library is loaded instead.
+    from qhoptim.torch import _extension
+
+    library = Path(_extension.cpu_extension().__file__)
+    times = library.stat()
+    source_time = _extension._CSRC.stat().st_mtime
+    os.utime(library, (times.st_atime, source_time - 3600))
+    program = (
+        "from pathlib import Path\n"
+        "from torch.utils import cpp_extension\n"
+        "from qhoptim.torch import _extension as e\n"
+        "def compiled_again(*args, **kwargs):\n"
+        "    raise AssertionError('the kernel was compiled again')\n"
+        "cpp_extension.load = compiled_again\n"
+        f"e.extension_build_directory = lambda name=None: Path({str(library.parent)!r})\n"
+        f"assert Path(e.cpu_extension().__file__) == Path({str(library)!r})\n"
+    )
+    try:
+        proc = _in_a_fresh_process(program)
+    finally:
+        os.utime(library, (times.st_atime, times.st_mtime))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
