@@ -57,7 +57,7 @@ from typing import Any
 
 import nox
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parent  # absolute: some sessions change directory
 CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))
 LOWEST = ("-c", str(ROOT / ".ci" / "lowest-constraints.txt"))
 ARTIFACTS = ROOT / "artifacts"

@@ -312,7 +312,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Wheel:
     # pytest-xdist's workers share (the parent of each worker's base folder).
     cache = os.environ.get("QHOPTIM_WHEEL_CACHE")
     return built_and_installed(
-        Path(cache) if cache else tmp_path_factory.getbasetemp().parent / "wheels"
+        Path(cache).resolve() if cache else tmp_path_factory.getbasetemp().parent / "wheels"
     )
 
 
