@@ -50,6 +50,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -260,7 +261,11 @@ def _install(
     session), and one in a requirements file only when ``[tool.uv]
     cache-keys`` (pyproject.toml) say its metadata changed.
     """
-    requirements = Path(session.create_tmp()) / "editable.txt"
+    # In the venv's folder, not session.create_tmp(): that would also point
+    # TMPDIR at the venv, inside the checkout when the venvs are (.nox), where
+    # the packaging tests must not put their scratch folders.
+    venv = session.virtualenv.location
+    requirements = Path(venv or tempfile.mkdtemp()) / "qhoptim-editable.txt"
     requirements.write_text(f"-e {ROOT}[{extras}]\n")
     session.install("-r", str(requirements), "pip", *more, *constraints)
 
