@@ -121,11 +121,8 @@ def _pip(*args: str, cwd: Path) -> None:
 
 def _has_build_backend() -> bool:
     # pyproject's [build-system] requires setuptools>=77.
-    try:
-        version = importlib.metadata.version("setuptools")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return int(version.split(".")[0]) >= 77
+    version = _version_of("setuptools")
+    return version is not None and int(version.split(".")[0]) >= 77
 
 
 def _wheel_inputs_digest() -> str:
@@ -136,16 +133,17 @@ def _wheel_inputs_digest() -> str:
     for path in sorted(files):
         digest.update(path.relative_to(REPO).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
-    tools = [sys.version, *(_version_of(d) for d in ("setuptools", "pip"))]
+    tools = [sys.version, *(str(_version_of(d)) for d in ("setuptools", "pip"))]
     digest.update("\0".join(tools).encode())
     return digest.hexdigest()[:20]
 
 
-def _version_of(distribution: str) -> str:
+def _version_of(distribution: str) -> str | None:
+    """``distribution``'s installed version; ``None`` where it is not installed."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        return "absent"
+        return None
 
 
 def built_and_installed(cache: Path) -> Wheel:
