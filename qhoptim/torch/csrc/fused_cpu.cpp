@@ -470,6 +470,10 @@ struct Ladder {
   int per_octave;
   bool geometric;
   float octave[kOctave + 1];
+  // octave[r + 1] - octave[r] (exact: both lie in [1, 2]), times 2**-16 (the
+  // noise's unit) and times 1/2 (rounding to nearest): see FastCase.
+  float noise_gap[kOctave];
+  float half_gap[kOctave];
 };
 
 // Whether `lv` is a geometric ladder of kOctave levels per octave (see
@@ -645,6 +649,36 @@ inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, 
   }
 }
 
+// The vector loops' fast case: a vector whose ratios are all normal numbers
+// in [lv[1], 1] (lv[2] for an unsigned state, whose code 1 is infinity's),
+// whose magnitudes are normal too (as the rule reads them): the level below
+// each is then neither 0 nor the top. A ratio 2**e * m (1 <= m < 2) lies
+// between octave[r] * 2**e and octave[r + 1] * 2**e; its distance to the lower
+// one, (m - octave[r]) * 2**e, and the levels' gap, (octave[r + 1] -
+// octave[r]) * 2**e, are exact in float32 (each a difference of two numbers
+// in one binade), so the rule's comparison
+//   ratio - below > threshold * (above - below)
+// is m - octave[r] > threshold * gap[r], both sides scaled by 2**e; and the
+// threshold's product with gap[r] is the noise's with gap[r] * 2**-16
+// (exact), or gap[r] / 2 to nearest. 8 e + r, the level's distance in levels
+// from 2**0, is the ratio's bits >> 20 (its exponent and the mantissa's top
+// three bits, geometric_ladder's first guess) or one more, less 8 * 127 (the
+// exponent field's bias). A vector with any other case -- 0, the bottom rung,
+// NaN and infinity, subnormals -- takes the general steps.
+struct FastCase {
+  static constexpr int32_t kOneBits = 0x3F800000;  // 1.0f
+  int32_t lowest_bits;  // the fast ratios' bit patterns: lowest_bits .. + span
+  int32_t span;
+  const float* gaps;  // the threshold's unit times each rung's gap
+  int32_t code_of_rung;  // code = (8 e + r + 8 * 127) + code_of_rung
+  FastCase(const Ladder& ladder, bool is_signed, bool stochastic) {
+    std::memcpy(&lowest_bits, &ladder.lv[is_signed ? 1 : 2], sizeof(lowest_bits));
+    span = kOneBits - lowest_bits;
+    gaps = stochastic ? ladder.noise_gap : ladder.half_gap;
+    code_of_rung = ladder.nl - 1 - 8 * 127;
+  }
+};
+
 #if defined(__AVX2__)
 // hash32_of_key of 8 keys.
 inline __m256i hash32_of_key_avx2(uint32_t seed, __m256i key) {
@@ -683,10 +717,54 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
       _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                          _mm256_set1_epi32(static_cast<int>(kGolden))));
   const __m256i key_step = _mm256_set1_epi32(static_cast<int>(8u * kGolden));
+  const FastCase fast_case(ladder, SIGNED, STOCHASTIC);
+  const __m256i lowest = _mm256_set1_epi32(fast_case.lowest_bits);
+  const __m256i span = _mm256_set1_epi32(fast_case.span);
+  const __m256i one_bits = _mm256_set1_epi32(FastCase::kOneBits);
+  const __m256i mantissa_bits = _mm256_set1_epi32(0x7FFFFF);
+  const __m256 gaps = _mm256_loadu_ps(fast_case.gaps);
+  const __m256i code_of_rung = _mm256_set1_epi32(fast_case.code_of_rung);
   int i = 0;
   for (; i + 8 <= len; i += 8, key = _mm256_add_epi32(key, key_step)) {
     const __m256 value = _mm256_loadu_ps(x + i);
     const __m256 absolute = _mm256_and_ps(value, magnitude_mask);
+    // The fast case (FastCase), and the general steps for the others. The
+    // range's unsigned comparison as a maximum: a ratio's NaN may have its
+    // sign bit set.
+    const __m256 fast_ratio = _mm256_mul_ps(absolute, inverse);
+    const __m256i fast_bits = _mm256_castps_si256(fast_ratio);
+    const __m256i offset = _mm256_sub_epi32(fast_bits, lowest);
+    const __m256 fast = _mm256_and_ps(
+        _mm256_cmp_ps(absolute, smallest, _CMP_GE_OQ),
+        _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_max_epu32(offset, span), span)));
+    if (_mm256_movemask_ps(fast) == 0xFF) {
+      const __m256 m = _mm256_castsi256_ps(
+          _mm256_or_si256(_mm256_and_si256(fast_bits, mantissa_bits), one_bits));
+      const __m256i guess = _mm256_srli_epi32(fast_bits, 20);
+      const __m256i up_one = _mm256_castps_si256(
+          _mm256_cmp_ps(m, _mm256_permutevar8x32_ps(octave_above, guess), _CMP_GE_OQ));
+      const __m256i rung = _mm256_sub_epi32(guess, up_one);
+      const __m256 distance = _mm256_sub_ps(m, _mm256_permutevar8x32_ps(octave, rung));
+      __m256 threshold = _mm256_permutevar8x32_ps(gaps, rung);
+      if constexpr (STOCHASTIC) {
+        const __m256i noise =
+            _mm256_and_si256(hash32_of_key_avx2(s, key), _mm256_set1_epi32(0xFFFF));
+        threshold = _mm256_mul_ps(_mm256_cvtepi32_ps(noise), threshold);
+      }
+      const __m256i up =
+          _mm256_castps_si256(_mm256_cmp_ps(distance, threshold, _CMP_GT_OQ));
+      __m256i code = _mm256_sub_epi32(_mm256_add_epi32(rung, code_of_rung), up);
+      if constexpr (SIGNED) {  // the sign bit, as 128
+        code = _mm256_or_si256(
+            code, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(value), 24),
+                                   _mm256_set1_epi32(128)));
+      }
+      const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                             _mm256_extracti128_si256(code, 1));
+      const __m128i bytes = _mm_packus_epi16(words, words);
+      std::memcpy(c + i, &bytes, 8);
+      continue;
+    }
     const __m256 finite = _mm256_cmp_ps(absolute, largest, _CMP_LE_OQ);
     const __m256 magnitude =
         _mm256_andnot_ps(_mm256_cmp_ps(absolute, smallest, _CMP_LT_OQ), absolute);
@@ -776,10 +854,46 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
           _mm512_set1_epi32(static_cast<int>(kGolden))));
   const __m512i key_step = _mm512_set1_epi32(static_cast<int>(16u * kGolden));
+  const FastCase fast_case(ladder, SIGNED, STOCHASTIC);
+  const __m512i lowest = _mm512_set1_epi32(fast_case.lowest_bits);
+  const __m512i span = _mm512_set1_epi32(fast_case.span);
+  const __m512 gaps = octave16(fast_case.gaps);
+  const __m512i code_of_rung = _mm512_set1_epi32(fast_case.code_of_rung);
   int i = 0;
   for (; i + 16 <= len; i += 16, key = _mm512_add_epi32(key, key_step)) {
     const __m512 value = _mm512_loadu_ps(x + i);
     const __m512 absolute = _mm512_abs_ps(value);
+    // The fast case (FastCase), and the general steps for the others.
+    const __m512 fast_ratio = _mm512_mul_ps(absolute, inverse);
+    const __m512i fast_bits = _mm512_castps_si512(fast_ratio);
+    const __mmask16 fast = _mm512_mask_cmple_epu32_mask(
+        _mm512_cmp_ps_mask(absolute, smallest, _CMP_GE_OQ),
+        _mm512_sub_epi32(fast_bits, lowest), span);
+    if (fast == 0xFFFF) {
+      const __m512 m = _mm512_castsi512_ps(  // (bits & mantissa) | 1.0's bits
+          _mm512_ternarylogic_epi32(fast_bits, mantissa_bits,
+                                    _mm512_set1_epi32(FastCase::kOneBits), 0xEA));
+      const __m512i guess = _mm512_srli_epi32(fast_bits, 20);  // 8 e + 127 * 8 + the top bits
+      const __mmask16 up_one =
+          _mm512_cmp_ps_mask(m, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
+      const __m512i rung = _mm512_mask_add_epi32(guess, up_one, guess, one);
+      const __m512 distance = _mm512_sub_ps(m, _mm512_permutexvar_ps(rung, octave));
+      __m512 threshold = _mm512_permutexvar_ps(rung, gaps);
+      if constexpr (STOCHASTIC) {
+        const __m512i noise =
+            _mm512_and_si512(hash32_of_key_avx512(s, key), _mm512_set1_epi32(0xFFFF));
+        threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), threshold);
+      }
+      const __mmask16 up = _mm512_cmp_ps_mask(distance, threshold, _CMP_GT_OQ);
+      __m512i code = _mm512_add_epi32(rung, code_of_rung);
+      code = _mm512_mask_add_epi32(code, up, code, one);
+      if constexpr (SIGNED) {
+        const __mmask16 negative = _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
+        code = _mm512_mask_add_epi32(code, negative, code, _mm512_set1_epi32(128));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(code));
+      continue;
+    }
     const __mmask16 finite = _mm512_cmp_ps_mask(absolute, largest, _CMP_LE_OQ);
     const __m512 magnitude =
         _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(absolute, smallest, _CMP_NLT_UQ), absolute);
@@ -939,6 +1053,11 @@ Ladder ladder_of(const at::Tensor& levels, int64_t per_octave) {
   Ladder ladder{levels.data_ptr<float>(), static_cast<int>(levels.numel()),
                 static_cast<int>(per_octave), false, {}};
   ladder.geometric = geometric_ladder(ladder.lv, ladder.nl, ladder.octave);
+  for (int r = 0; r < kOctave; ++r) {
+    const float gap = ladder.octave[r + 1] - ladder.octave[r];
+    ladder.noise_gap[r] = gap * 0x1p-16f;
+    ladder.half_gap[r] = gap * 0.5f;
+  }
   return ladder;
 }
 
