@@ -253,6 +253,27 @@ def test_both_roundings_are_the_rule_every_backend_follows(
     assert torch.equal(tail, whole[2000:])
 
 
+def test_positions_past_two_to_the_32_draw_the_same_noise_in_both_roundings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tensor of more than 2**32 values counts its positions past 32 bits,
+    # folded (hash32): the kernel's loops count keys in 32 bits below 2**32 and
+    # fold each one past it; a slice across the boundary takes both. Both
+    # roundings give the same bits there, which are not those of the
+    # positions' low 32 bits alone (the fold is not a no-op).
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(8)) * 1e-3
+    seed = _state_dtype.rounding_seed(2, 5)
+    start = 2**32 - 2500
+    kernel_out, torch_out = torch.empty_like(g, dtype=BF16), torch.empty_like(g, dtype=BF16)
+    low_bits = torch.empty(2500, dtype=BF16)
+    _state_dtype.stochastic_round_(kernel_out, g, seed, start=start)
+    _state_dtype.stochastic_round_(low_bits, g[2500:], seed, start=0)
+    monkeypatch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
+    _state_dtype.stochastic_round_(torch_out, g, seed, start=start)
+    assert torch.equal(kernel_out, torch_out)
+    assert not torch.equal(kernel_out[2500:], low_bits)
+
+
 def test_a_tensor_larger_than_a_chunk_steps_in_slices_as_a_whole(monkeypatch: Any) -> None:
     # Working copies are made a slice at a time for tensors larger than a chunk;
     # the slices take the whole tensor's step (one count, the noise of the same

@@ -124,6 +124,30 @@ inline uint32_t position_key(int64_t first, int64_t i) {
   }
 }
 
+// The keys of a chunk's elements, one after the other (next() once per
+// element): below 2**32 a 32-bit induction variable, which the vectorized
+// loops advance by one addition per vector; a key from each index instead
+// costs them a multiplication and 64-bit index arithmetic per vector.
+template <bool FOLD>
+class PositionKeys {
+ public:
+  explicit PositionKeys(int64_t first) : first_(first), key_(position_key<FOLD>(first, 0)) {}
+  uint32_t next() {
+    if constexpr (FOLD) {
+      return position_key<true>(first_, index_++);
+    } else {
+      const uint32_t key = key_;
+      key_ += kGolden;
+      return key;
+    }
+  }
+
+ private:
+  int64_t first_;
+  int64_t index_ = 0;
+  uint32_t key_;
+};
+
 // f(fold, low) with both flags as compile-time constants (std::bool_constant).
 // A fold is only ever needed by a bfloat16 state's chunk past 2**32 values.
 template <typename F>
@@ -185,11 +209,12 @@ template <typename scalar_t, typename state_t, bool SR, typename opmath_t, bool 
 void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t* __restrict__ b,
                int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w,
                opmath_t bv, opmath_t gv, uint32_t seed) {
+  PositionKeys<FOLD> keys(first);
   for (int64_t i = 0; i < n; ++i) {
     const opmath_t pi = static_cast<opmath_t>(p[i]);
     const opmath_t gi = coupled_gradient<COUPLED>(static_cast<opmath_t>(g[i]) * gm, wd, pi);
     const opmath_t bi = lerp<LOW>(static_cast<opmath_t>(b[i]), gi, w);
-    b[i] = store<state_t, SR>(bi, seed, position_key<FOLD>(first, i));
+    b[i] = store<state_t, SR>(bi, seed, keys.next());
     p[i] = static_cast<scalar_t>(pi * df + bv * bi + gv * gi);
   }
 }
@@ -234,8 +259,9 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   // The seeds as values: loads through a pointer beside the state's stores
   // would keep the loop from vectorizing.
   const uint32_t seed_m = seeds[0], seed_s = seeds[1], seed_v = seeds[2];
+  PositionKeys<FOLD> keys(first);
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t at = position_key<FOLD>(first, i);
+    const uint32_t at = keys.next();
     const opmath_t pi = static_cast<opmath_t>(p[i]);
     const opmath_t gi = coupled_gradient<COUPLED>(static_cast<opmath_t>(g[i]) * gm, wd, pi);
     const opmath_t mi = lerp<LOW>(static_cast<opmath_t>(m[i]), gi, w1);
@@ -415,9 +441,9 @@ void stochastic_round_(at::Tensor dst, at::Tensor src, int64_t seed, int64_t sta
   at::parallel_for(0, src.numel(), kGrain, [=](int64_t begin, int64_t end) {
     auto chunk = [&](auto fold_tag, auto) {
       constexpr bool kFold = decltype(fold_tag)::value;
+      PositionKeys<kFold> keys(start + begin);
       for (int64_t i = 0; i < end - begin; ++i) {
-        d[begin + i] = store<c10::BFloat16, true>(x[begin + i], s,
-                                                  position_key<kFold>(start + begin, i));
+        d[begin + i] = store<c10::BFloat16, true>(x[begin + i], s, keys.next());
       }
     };
     with_flags(needs_fold(start + begin, end - begin), false, chunk);
