@@ -321,6 +321,12 @@ def _conformance(
     )  # fmt: skip
 
 
+#: The conformance tables this nox run's sessions kept, by session name and
+#: table (their JSON files): the docs session's build reads the rows of its own
+#: environment's backends from them instead of running them again.
+_TABLES_KEPT: dict[str, dict[str, Path]] = {}
+
+
 def _pytest_with_conformance(
     session: nox.Session, *args: str, tables: tuple[str, ...], env: dict[str, str] | None = None
 ) -> None:
@@ -340,6 +346,8 @@ def _pytest_with_conformance(
         path = out / f"{table}.md"
         if path.exists():
             session.log(f"conformance {table}: {path.read_text().splitlines()[-1]} ({path})")
+            if not session.posargs:  # every row, as the docs build runs them
+                _TABLES_KEPT.setdefault(session.name, {})[table] = out / f"{table}.json"
         elif not session.posargs:
             session.error(f"the conformance test of {table} kept no table ({path})")
 
@@ -584,6 +592,23 @@ def docs(session: nox.Session) -> None:
     _install(session, "docs,jax,torch,mlx,test")
     session.install("scikit-learn", *CONSTRAINTS)  # the MLX digits example's data
     env = {"QHOPTIM_DOCS_STRICT": "1", "KERAS_BACKEND": "jax"}
+    # The rows that sessions of this run ran in the environments the build's
+    # own would be (this Python, Keras on JAX), read instead of run again; a
+    # docs session run alone runs them all.
+    kept = {
+        backend: _TABLES_KEPT.get(name, {}).get(backend)
+        for backend, name in (
+            ("torch", "torch"),
+            ("torch-foreach", "torch"),
+            ("torch-fused", "torch"),
+            ("optax", f"optax-{PYTHON}"),
+            ("keras", "keras(jax)"),
+            ("mlx", "mlx"),
+        )
+    }
+    env["QHOPTIM_DOCS_CONFORMANCE_ROWS"] = os.pathsep.join(
+        f"{backend}={path}" for backend, path in kept.items() if path and path.exists()
+    )
     html = ROOT / "docs" / "_build" / "html"
     session.run(
         "sphinx-build", "-W", "--keep-going", "-E", "-b", "html", "docs", str(html), env=env

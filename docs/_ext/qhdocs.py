@@ -178,7 +178,14 @@ def generate(app: Sphinx) -> None:
 
     from conformance.adapters import REGISTRY
 
-    # One conformance job per backend (they run in parallel; the slowest first).
+    # One conformance job per backend (they run in parallel; the slowest first),
+    # which reads the rows a nox session of the same run kept where there are
+    # some (noxfile.py sets QHOPTIM_DOCS_CONFORMANCE_ROWS) and runs them otherwise.
+    kept = dict(
+        item.split("=", 1)
+        for item in os.environ.get("QHOPTIM_DOCS_CONFORMANCE_ROWS", "").split(os.pathsep)
+        if "=" in item
+    )
     jobs: dict[str, list[str]] = {}
     slow_first = {"optax": 0, "keras": 1, "torch-fused": 2, "torch": 3, "torch-foreach": 4}
     for name in sorted(REGISTRY, key=lambda n: slow_first.get(n, 9)):
@@ -191,6 +198,7 @@ def generate(app: Sphinx) -> None:
             str(DOCS / "_ext" / "conformance_job.py"),
             name,
             str(GEN / "runs"),
+            *(["--rows", kept[name]] if name in kept else []),
         ]
     jobs["figures:analysis"] = [py, str(DOCS / "_ext" / "figures.py"), "analysis", str(FIG)]
     jobs["figures:benchmarks"] = [
