@@ -677,20 +677,22 @@ inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, 
 
 // The vector loops' fast case: a vector whose ratios are all normal numbers
 // in [lv[1], 1] (lv[2] for an unsigned state, whose code 1 is infinity's),
-// whose magnitudes are normal too (as the rule reads them): the level below
-// each is then neither 0 nor the top. A ratio 2**e * m (1 <= m < 2) lies
-// between octave[r] * 2**e and octave[r + 1] * 2**e; its distance to the lower
-// one, (m - octave[r]) * 2**e, and the levels' gap, (octave[r + 1] -
-// octave[r]) * 2**e, are exact in float32 (each a difference of two numbers
-// in one binade), so the rule's comparison
+// whose magnitudes are normal too (as the rule reads them), so that the level
+// below each is not 0. A ratio 2**e * m (1 <= m < 2) lies between
+// octave[r] * 2**e and octave[r + 1] * 2**e; its distance to the lower one,
+// (m - octave[r]) * 2**e, and the levels' gap, (octave[r + 1] - octave[r]) *
+// 2**e, are exact in float32 (each a difference of two numbers in one
+// binade), so the rule's comparison
 //   ratio - below > threshold * (above - below)
 // is m - octave[r] > threshold * gap[r], both sides scaled by 2**e; and the
 // threshold's product with gap[r] is the noise's with gap[r] * 2**-16
 // (exact), or gap[r] / 2 to nearest. 8 e + r, the level's distance in levels
 // from 2**0, is the ratio's bits >> 20 (its exponent and the mantissa's top
 // three bits, geometric_ladder's first guess) or one more, less 8 * 127 (the
-// exponent field's bias). A vector with any other case -- 0, the bottom rung,
-// NaN and infinity, subnormals -- takes the general steps.
+// exponent field's bias). A ratio of 1 is the top level itself, at distance
+// 0, which no threshold exceeds: the top's code, as the rule gives it. A
+// vector with any other case -- 0, the bottom rung, NaN and infinity,
+// subnormals -- takes the general steps.
 struct FastCase {
   static constexpr int32_t kOneBits = 0x3F800000;  // 1.0f
   int32_t lowest_bits;  // the fast ratios' bit patterns: lowest_bits .. + span
