@@ -26,7 +26,13 @@ from torch.optim.optimizer import (
 from qhoptim import validation
 from qhoptim.torch import _extension, _fused, _state_dtype
 from qhoptim.torch._state_dict import check_state_dict
-from qhoptim.torch._tensors import copy_count, runs_triton, scalar_dtype, value_of
+from qhoptim.torch._tensors import (
+    advance_counts,
+    copy_count,
+    runs_triton,
+    scalar_dtype,
+    value_of,
+)
 
 _TORCH_FLAGS = {
     "maximize": False,
@@ -276,12 +282,12 @@ class NarrowStateOptimizer(Optimizer):
             whole_tensors=whole_tensors,
         )
         # A step GradScaler skipped (an inf or NaN gradient) leaves QHM's counts.
-        advance = count_steps and not _fused.skipped(self._amp_tensors()["found_inf"])
-        for i, c in enumerate(counts):
-            if advance:
-                c += 1
-            elif i in reached:
-                c.copy_(reached[i])
+        # All at once: one addition per count costs a torch call per parameter.
+        if count_steps and not _fused.skipped(self._amp_tensors()["found_inf"]):
+            advance_counts(counts)
+        else:
+            for i, copy in reached.items():
+                counts[i].copy_(copy)
 
     @staticmethod
     def _narrow_state_in_kernel(params: list[Tensor], whole_tensors: bool) -> bool:

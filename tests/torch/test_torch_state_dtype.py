@@ -253,6 +253,30 @@ def test_both_roundings_are_the_rule_every_backend_follows(
     assert torch.equal(tail, whole[2000:])
 
 
+def test_the_seeds_of_many_parameters_are_the_rules_seeds() -> None:
+    # From VECTOR_SEEDS parameters on, a step's seeds are computed as int64
+    # tensors, below it one by one in Python: both are qhoptim.rounding's
+    # seeds, for step numbers and positions past 32 bits too (taken modulo
+    # 2**32), and for each number of states a parameter has.
+    mask = (1 << 32) - 1
+    n = _state_dtype.VECTOR_SEEDS + 5
+    steps = [float(t) for t in range(1, n + 1)]
+    steps[3], steps[4] = 2.0**32 + 5, 2.0**40 + 1
+    positions = [7 * i for i in range(n)]
+    positions[5] = 2**31 + 3  # 4 * position + k passes 2**32
+    for states in (1, 2, 3):
+        want = [
+            [
+                int(rounding.rounding_seed(int(t) & mask, rounding.state_index(p, k) & mask))
+                for k in range(states)
+            ]
+            for t, p in zip(steps, positions, strict=True)
+        ]
+        assert _state_dtype.state_seeds(steps, positions, states) == want
+        few = _state_dtype.VECTOR_SEEDS - 1
+        assert _state_dtype.state_seeds(steps[:few], positions[:few], states) == want[:few]
+
+
 def test_positions_past_two_to_the_32_draw_the_same_noise_in_both_roundings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
