@@ -64,6 +64,7 @@ __all__ = [
     "noise16",
     "round_bits",
     "rounding_seed",
+    "rounding_seed_of_mixed_step",
     "state_index",
     "stochastic",
     "stochastic_round_reference",
@@ -137,8 +138,14 @@ def rounding_seed(step: Any, index: Any, bits: Bits = PYTHON) -> Any:
     they are Python ints, in a backend they may be its uint32 scalars (a
     traced step count under ``jit``).
     """
+    return rounding_seed_of_mixed_step(mix32(step, bits), index, bits)
+
+
+def rounding_seed_of_mixed_step(mixed_step: Any, index: Any, bits: Bits = PYTHON) -> Any:
+    """:func:`rounding_seed` from ``mix32(step)``, the half of it that every state
+    of a step shares: a backend mixes a step number once for all its states."""
     spread = bits.wrap(index * bits.const(INDEX_MULTIPLIER))
-    return mix32(mix32(step, bits) ^ spread, bits)
+    return mix32(mixed_step ^ spread, bits)
 
 
 def noise16(positions: Any, seed: Any, bits: Bits = PYTHON) -> Any:

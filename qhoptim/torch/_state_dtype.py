@@ -144,16 +144,23 @@ def state_seeds(
     (the number of the step being taken), the parameter at ``positions[i]`` in
     its optimizer: :func:`qhoptim.rounding.rounding_seed`, on Python ints or,
     for many parameters, on int64 tensors."""
+    # Each step number mixed once (a step's parameters usually share one).
+    mixed = {t: rounding.mix32(int(t) & _MASK32) for t in set(steps)}
     if len(steps) < VECTOR_SEEDS:
         return [
-            [rounding_seed(step, rounding.state_index(position, k)) for k in range(states)]
+            [
+                rounding.rounding_seed_of_mixed_step(
+                    mixed[step], rounding.state_index(position, k) & _MASK32
+                )
+                for k in range(states)
+            ]
             for step, position in zip(steps, positions, strict=True)
         ]
-    step = torch.tensor([int(t) & _MASK32 for t in steps], dtype=torch.int64)
+    step_mix = torch.tensor([mixed[t] for t in steps], dtype=torch.int64)[:, None]
     index = rounding.state_index(
         torch.tensor(positions, dtype=torch.int64)[:, None], torch.arange(states)
     )
-    seeds = rounding.rounding_seed(step[:, None], index & _MASK32, _INT64_BITS)
+    seeds = rounding.rounding_seed_of_mixed_step(step_mix, index & _MASK32, _INT64_BITS)
     return seeds.tolist()  # type: ignore[no-any-return]
 
 
