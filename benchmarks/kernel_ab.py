@@ -7,11 +7,11 @@ before it in one process, so that the machine's drift (a tenth and more from
 run to run on a shared 2-core machine) hits both alike. Each argument is a
 built extension (``qhoptim.torch._extension.cpu_extension().__file__`` prints
 the current one; an older one stays in torch's extension folder, or comes from
-a ``git worktree`` of the older commit). For QHAdam and QHM with float32,
-bfloat16 and 8-bit state, on ResNet-18 shapes and one tensor of 1e7 values,
-each build's optimizers step in turn (3 steps per turn, ``--rounds`` turns)
-and the median step time is printed, with the narrow states' ratio to the
-same build's float32-state step.
+a ``git worktree`` of the older commit). For QHAdam and QHM (the settings of
+``benchmarks.state_dtype``) with float32, bfloat16 and 8-bit state, on
+ResNet-18 shapes and one tensor of 1e7 values, each build's optimizers step in
+turn (3 steps per turn, ``--rounds`` turns) and the median step time is
+printed, with the narrow states' ratio to the same build's float32-state step.
 """
 
 from __future__ import annotations
@@ -25,18 +25,12 @@ from typing import Any
 
 import torch
 
-import qhoptim.torch as qht
 from benchmarks.shapes import RESNET18
+from benchmarks.state_dtype import SETTINGS
 from qhoptim.torch import _fused
 
 CASES = {"resnet18": RESNET18, "1e7": [(10_000_000,)]}
 STATES: dict[str, torch.dtype | None] = {"f32": None, "bf16": torch.bfloat16, "u8": torch.uint8}
-MAKERS = {
-    "QHAdam": lambda p, d: qht.QHAdam(
-        p, lr=1e-3, betas=(0.995, 0.999), nus=(0.7, 1.0), fused=True, state_dtype=d
-    ),
-    "QHM": lambda p, d: qht.QHM(p, lr=1.0, momentum=0.999, nu=0.7, fused=True, state_dtype=d),
-}
 
 
 def load_build(path: Path) -> Any:
@@ -57,14 +51,16 @@ def use(build: Any) -> None:
 def compare(builds: dict[str, Any], states: list[str], rounds: int) -> None:
     for case, shapes in CASES.items():
         runs = {}
-        for name, make in MAKERS.items():
+        for name, (cls, kwargs) in SETTINGS.items():
             for state in states:
                 for label in builds:
                     gen = torch.Generator().manual_seed(0)
                     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
                     for p in params:
                         p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-                    runs[(name, state, label)] = make(params, STATES[state])
+                    runs[(name, state, label)] = cls(
+                        params, **kwargs, fused=True, state_dtype=STATES[state]
+                    )
         for (_, _, label), opt in runs.items():  # warm-up
             use(builds[label])
             opt.step()
@@ -77,7 +73,7 @@ def compare(builds: dict[str, Any], states: list[str], rounds: int) -> None:
                     opt.step()
                 times[key].append((time.perf_counter() - start) / 3)
         ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
-        for name in MAKERS:
+        for name in SETTINGS:
             cells = []
             for state in states:
                 for label in builds:

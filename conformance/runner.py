@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +199,12 @@ def write_table(rows: Sequence[Row], markdown: Path | None, json_path: Path | No
         json_path.parent.mkdir(parents=True, exist_ok=True)
         payload = [asdict(r) | {"passed": r.passed} for r in rows]
         json_path.write_text(json.dumps(payload, indent=1))
+
+
+def read_table(json_path: Path) -> list[Row]:
+    """The rows :func:`write_table` wrote as JSON to ``json_path``."""
+    names = [f.name for f in fields(Row)]
+    return [Row(**{name: r[name] for name in names}) for r in json.loads(json_path.read_text())]
 
 
 # Where a test that ran a backend's rows keeps its table (``TABLE.md`` and

@@ -15,8 +15,6 @@ passed, 1 if some failed, 3 if the backend is not installed.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -30,14 +28,13 @@ from figures import TRAJECTORY_CASE  # noqa: E402
 
 from conformance.adapters import load_adapter  # noqa: E402
 from conformance.cases import load_cases  # noqa: E402
-from conformance.runner import Row, run, write_table  # noqa: E402
+from conformance.runner import Row, read_table, run, write_table  # noqa: E402
 
 
 def kept_rows(path: Path, label: str) -> list[Row]:
     """The rows of the backend named ``label`` in its rows that
     ``conformance.runner.record`` kept in ``path``."""
-    fields = {f.name for f in dataclasses.fields(Row)}
-    rows = [Row(**{k: r[k] for k in fields}) for r in json.loads(path.read_text())]
+    rows = read_table(path)
     if not rows or any(r.backend != label for r in rows):
         raise SystemExit(f"{path} does not hold the rows of {label}")
     return rows
