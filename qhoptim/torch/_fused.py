@@ -29,6 +29,7 @@ on the host). Low-precision parameters are computed in float32.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, cast
 
 import torch
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 _DEVICES = ("cpu", "cuda")
+_TRITON_MODULE = f"{__package__}._triton"
 
 
 def check_fused(params: list[Tensor], *, foreach: bool | None, differentiable: bool) -> None:
@@ -149,6 +151,8 @@ class _Contiguous:
             grads if all(map(Tensor.is_contiguous, grads)) else [t.contiguous() for t in grads],
             *(self._contiguous(ts) for ts in state),
         ]
+        # Whether every tensor was contiguous (none stands in for another).
+        self.unchanged = not self.pairs and self.lists[1] is grads
 
     def _contiguous(self, ts: list[Tensor]) -> list[Tensor]:
         # The common case, every tensor contiguous, in one pass without copies
@@ -212,15 +216,24 @@ def fused_qhm(
     """
     if not params:  # nothing to step (torch's grouping refuses empty lists)
         return
+    if state_seeds is None:
+        layout = _known_layout([params, grads, momentum_buffers])
+        if layout is not None:  # the tensors of an earlier step, where they were
+            _triton().qhm_(
+                params, grads, momentum_buffers, hp, grad_scale=grad_scale, found_inf=found_inf,
+                layout=layout,
+            )  # fmt: skip
+            return
     by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
     for device, (*lists, indices) in _groups_with_indices([params, grads, momentum_buffers], by=by):
         seeds = _seed_table(state_seeds, indices, device)
-        with _Contiguous(*lists) as (ps, gs, bufs):
+        with (contiguous := _Contiguous(*lists)) as (ps, gs, bufs):
             if runs_triton(device):  # a gradient overlapping its parameter: copied there
                 _triton().qhm_(
                     ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf,
                     seeds=None if state_seeds is None else seeds,
                     levels=None if state_seeds is None else _device_ladders(bufs, device),
+                    whole=_whole(state_seeds, indices, params, contiguous),
                 )  # fmt: skip
                 continue
             if skipped(found_inf):
@@ -312,31 +325,77 @@ def fused_qhadam(
     tensorlists = [params, grads, exp_avgs, exp_avg_sqs]
     if hp.amsgrad:
         tensorlists.append(cast(list[Tensor], _kernels.amsgrad_maxes(hp, max_exp_avg_sqs, params)))
+    if state_seeds is None:
+        layout = _known_layout(tensorlists)
+        if layout is not None:  # the tensors of an earlier step, where they were
+            _qhadam_group_(
+                layout.device, tensorlists, state_steps, hp, grad_scale, found_inf, _NO_SEEDS,
+                capturable, layout=layout,
+            )  # fmt: skip
+            return
     by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
     for device, (*lists, steps, indices) in _groups_with_indices(
         [*tensorlists, state_steps], by=by
     ):
         seeds = _seed_table(state_seeds, indices, device)
-        with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
-            if capturable and runs_triton(device):  # counts and coefficients on the device
-                _triton().qhadam_(
-                    ps,
-                    gs,
-                    ms,
-                    ss,
-                    vs[0] if vs else None,
-                    steps,
-                    hp,
-                    grad_scale=grad_scale,
-                    found_inf=found_inf,
-                )
-                continue
-            if skipped(found_inf):
-                continue
-            _tensors.advance_counts(steps)
-            # One read of every count (each item() would cost a call per tensor).
-            numbers = torch.stack(steps).tolist() if steps else []
-            _qhadam_numbers_(device, ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds)
+        with (contiguous := _Contiguous(*lists)) as contiguous_lists:
+            _qhadam_group_(
+                device, contiguous_lists, steps, hp, grad_scale, found_inf, seeds, capturable,
+                whole=_whole(state_seeds, indices, params, contiguous),
+            )  # fmt: skip
+
+
+def _qhadam_group_(
+    device: torch.device,
+    lists: list[list[Tensor]],
+    steps: list[Tensor],
+    hp: _tensors.QHAdamHyperparameters,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    seeds: Tensor,
+    capturable: bool,
+    *,
+    layout: Any = None,
+    whole: bool = False,
+) -> None:
+    """:func:`fused_qhadam`'s step of one device and dtype: ``lists`` are the
+    parameters, gradients, moments (and maxima), contiguous; ``steps`` their
+    counts. ``layout`` and ``whole``: see :func:`qhoptim.torch._triton.qhm_`."""
+    ps, gs, ms, ss, *vs = lists
+    if capturable and runs_triton(device):  # counts and coefficients on the device
+        _triton().qhadam_(
+            ps, gs, ms, ss, vs[0] if vs else None, steps, hp, grad_scale=grad_scale,
+            found_inf=found_inf, layout=layout, whole=whole,
+        )  # fmt: skip
+        return
+    if skipped(found_inf):
+        return
+    _tensors.advance_counts(steps)
+    # One read of every count (each item() would cost a call per tensor).
+    numbers = torch.stack(steps).tolist() if steps else []
+    _qhadam_numbers_(
+        device, ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds, layout=layout, whole=whole
+    )
+
+
+def _whole(
+    state_seeds: list[list[int]] | None,
+    indices: list[int],
+    params: list[Tensor],
+    contiguous: _Contiguous,
+) -> bool:
+    """Whether a group's lists are the optimizer's own (every tensor, each of
+    its dtype, contiguous): their layout can be kept for the next step's."""
+    return state_seeds is None and len(indices) == len(params) and contiguous.unchanged
+
+
+def _known_layout(lists: list[list[Tensor]]) -> Any:
+    """:func:`qhoptim.torch._triton.known_layout` of ``lists`` once the Triton
+    kernels have stepped (None before: nothing is imported to find that out)."""
+    kernels = sys.modules.get(_TRITON_MODULE)
+    if kernels is None or local_shards(lists[0]) is not lists[0]:  # DTensors: by their shards
+        return None
+    return kernels.known_layout(lists)
 
 
 def fused_qhadam_host_steps(
@@ -381,15 +440,20 @@ def _qhadam_numbers_(
     hp: _tensors.QHAdamHyperparameters,
     grad_scale: Tensor | None,
     seeds: Tensor,
+    *,
+    layout: Any = None,
+    whole: bool = False,
 ) -> None:
     """One group's step whose step numbers ``steps`` the host has: the Triton
     kernel's (CUDA), or the C++ kernel's (CPU). ``vs`` is ``[max_exp_avg_sqs]``
-    with amsgrad, else ``[]``; ``seeds`` see :func:`_seed_table`."""
+    with amsgrad, else ``[]``; ``seeds`` see :func:`_seed_table`; ``layout``
+    and ``whole`` see :func:`qhoptim.torch._triton.qhm_`."""
     if runs_triton(device):
         max_exp_avg_sqs = vs[0] if vs else None
         _triton().qhadam_(
             ps, gs, ms, ss, max_exp_avg_sqs, steps, hp, grad_scale=grad_scale, found_inf=None,
             seeds=seeds if seeds.numel() else None, levels=_device_ladders(ms, device),
+            layout=layout, whole=whole,
         )  # fmt: skip
         return
     lr = float(hp.lr)

@@ -35,6 +35,7 @@ import functools
 import inspect
 import itertools
 import math
+import operator
 import os
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -46,7 +47,7 @@ from torch import Tensor
 from qhoptim import rounding, rules
 from qhoptim.torch import _kernels, _tensors
 
-__all__ = ["qhadam_", "qhm_"]
+__all__ = ["Layout", "known_layout", "qhadam_", "qhm_"]
 
 _BLOCK = 1024  # elements per program (H200: 0.91x fused Adam at 1e8 vs 1.17x with 2048)
 _NUM_WARPS = 4
@@ -97,8 +98,7 @@ def _remember(cache: dict[tuple[Any, ...], _V], key: tuple[Any, ...], value: _V)
     return value
 
 
-def _blocks(tensors: list[Tensor], device: torch.device) -> _Blocks:
-    sizes = tuple(map(Tensor.numel, tensors))
+def _blocks(sizes: tuple[int, ...], device: torch.device) -> _Blocks:
     key = (device, sizes)
     found = _BLOCKS.get(key)
     if found is not None:
@@ -130,25 +130,35 @@ def _table(pointers: tuple[int, ...], rows: int, device: torch.device) -> Tensor
     return found
 
 
-def _addresses(lists: list[list[Tensor]], device: torch.device) -> tuple[Tensor, list[Tensor]]:
-    """The address table of ``lists`` (parameters, gradients, state) on the device,
-    and the gradients it holds.
+# Address tables by (device, lists, addresses, parameters' sizes): addresses
+# whose tensors were checked (sizes, overlaps) for these sizes.
+_CHECKED: dict[tuple[Any, ...], Tensor] = {}
 
-    For addresses not seen before, a gradient that overlaps its parameter's
-    memory (``p.grad = p.detach()``, or another window of the parameter's
-    buffer) is copied first: the kernel reads it block by block as it writes
-    the parameter. Addresses seen before were found free of that.
+
+def _addresses(
+    lists: list[list[Tensor]], device: torch.device, sizes: tuple[int, ...]
+) -> tuple[Tensor, list[Tensor]]:
+    """The address table of ``lists`` (parameters, gradients, state; the
+    parameters of ``sizes``) on the device, and the gradients it holds.
+
+    For addresses or sizes not seen before, each gradient and state is checked
+    to hold its parameter's number of values, and a gradient that overlaps its
+    parameter's memory (``p.grad = p.detach()``, or another window of the
+    parameter's buffer) is copied first: the kernel reads it block by block as
+    it writes the parameter. Addresses seen before with these sizes were found
+    to pass both.
     """
     pointers = _pointers(lists)
-    found = _ADDRESSES.get((device, len(lists), pointers))  # the common case: one lookup
+    key = (device, len(lists), pointers, sizes)
+    found = _CHECKED.get(key)  # the common case: one lookup
     if found is not None:
         return found, lists[1]
     params, grads = lists[0], lists[1]
     n = len(params)
-    sizes = [p.numel() for p in params]
     for ts in lists[1:]:
         # The kernel reads as many of each (an 8-bit state: their bytes).
-        if [t.numel() for t in ts] not in (sizes, _packed(sizes, ts)):
+        numels = tuple(t.numel() for t in ts)
+        if numels != sizes and list(numels) != _packed(list(sizes), ts):
             raise RuntimeError(
                 "fused=True: each gradient and state must have its parameter's number of elements"
             )
@@ -157,13 +167,13 @@ def _addresses(lists: list[list[Tensor]], device: torch.device) -> tuple[Tensor,
         for i in range(n)
         if _overlap(pointers[i], pointers[n + i], sizes[i] * params[i].element_size())
     ]
-    if overlapping:
-        grads = list(grads)
-        for i in overlapping:
-            grads[i] = grads[i].clone()
-        lists = [params, grads, *lists[2:]]
-        pointers = _pointers(lists)
-    return _table(pointers, len(lists), device), lists[1]
+    if not overlapping:
+        return _remember(_CHECKED, key, _table(pointers, len(lists), device)), grads
+    grads = list(grads)
+    for i in overlapping:
+        grads[i] = grads[i].clone()
+    lists = [params, grads, *lists[2:]]
+    return _table(_pointers(lists), len(lists), device), grads
 
 
 def _packed(sizes: list[int], ts: list[Tensor]) -> list[int] | None:
@@ -594,15 +604,74 @@ def _constexprs(dtype: torch.dtype, has_scale: bool, has_inf: bool, narrow: int)
     }
 
 
-def _layout(lists: list[list[Tensor]]) -> tuple[Tensor, _Blocks, list[Tensor]] | None:
+class Layout(NamedTuple):
+    """What a launch needs to know of a list of parameters, their gradients and
+    state beyond their values: the address table and the blocks (on the
+    device), and what they were found for -- the device, the parameters'
+    dtype and sizes."""
+
+    device: torch.device
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    addresses: Tensor
+    blocks: _Blocks
+
+
+# The layouts of whole param groups (one device and dtype, contiguous, no
+# gradient overlapping its parameter), by their tensors' addresses: where the
+# tensors of a group's next step are where they were -- parameters and state
+# stay put, and the allocator hands a gradient reallocated by
+# ``zero_grad(set_to_none=True)`` its old block back -- the step skips the
+# grouping, contiguity and table work, at one lookup and a few checks.
+_LAYOUTS: dict[tuple[Any, ...], Layout] = {}
+_DTYPE = operator.attrgetter("dtype")
+
+
+def known_layout(lists: list[list[Tensor]]) -> Layout | None:
+    """The layout of ``lists`` (parameters, gradients, state) if a step found it
+    for tensors at these addresses and the parameters keep that step's dtype
+    and sizes and the parameters and gradients are contiguous; else None.
+
+    Tensors at the same addresses are on the same devices (one address space
+    for host and GPUs); a gradient has its parameter's size, dtype and device
+    (autograd checks them), and the state is this optimizer's, made like its
+    parameter. What can change at an address is checked here: a parameter's
+    dtype, size and strides (``p.data`` set to another view of its memory)
+    and a gradient's strides."""
+    found = _LAYOUTS.get((len(lists), _pointers(lists)))
+    if found is None:
+        return None
+    params, grads = lists[0], lists[1]
+    dtype = found.dtype
+    if (
+        tuple(map(Tensor.numel, params)) != found.sizes
+        or not all(map(operator.is_, map(_DTYPE, params), itertools.repeat(dtype)))
+        or not all(map(Tensor.is_contiguous, params))
+        or not all(map(Tensor.is_contiguous, grads))
+        or not _tensors.runs_triton(found.device)
+    ):
+        return None
+    return found
+
+
+def _layout(
+    lists: list[list[Tensor]], *, whole: bool = False
+) -> tuple[Tensor, _Blocks, list[Tensor]] | None:
     """The address table and the blocks of ``lists`` (parameters, gradients, state),
     and the gradients the table holds (copies of any that overlap their
-    parameters); None when the lists hold no element."""
-    device = lists[0][0].device
-    blocks = _blocks(lists[0], device)
+    parameters); None when the lists hold no element. ``whole``: the lists
+    are a param group's own, contiguous, of one device and dtype; their
+    layout is kept for :func:`known_layout` where no gradient was copied."""
+    params = lists[0]
+    device = params[0].device
+    sizes = tuple(map(Tensor.numel, params))
+    blocks = _blocks(sizes, device)
     if blocks.block_tensor.numel() == 0:
         return None
-    addresses, grads = _addresses(lists, device)
+    addresses, grads = _addresses(lists, device, sizes)
+    if whole and grads is lists[1]:
+        layout = Layout(device, params[0].dtype, sizes, addresses, blocks)
+        _remember(_LAYOUTS, (len(lists), _pointers(lists)), layout)
     return addresses, blocks, grads
 
 
@@ -656,16 +725,22 @@ def qhm_(
     found_inf: Tensor | None,
     seeds: Tensor | None = None,
     levels: tuple[Tensor, Tensor] | None = None,
+    layout: Layout | None = None,
+    whole: bool = False,
 ) -> None:
     """One fused QHM step over tensors of one device and dtype, contiguous.
 
     ``seeds`` (int64 ``[tensors, 3]`` on the device): the buffers are bfloat16,
     or 8-bit with ``levels`` (the signed and unsigned level tables, float32 on
-    the device), rounded stochastically with each tensor's first seed."""
-    layout = _layout([params, grads, momentum_buffers])
-    if layout is None:  # only empty tensors
-        return
-    addresses, blocks, _grads = layout  # _grads: alive until the launch has read them
+    the device), rounded stochastically with each tensor's first seed.
+    ``layout``: the lists' :func:`known_layout`; ``whole``: see :func:`_layout`."""
+    if layout is not None:
+        addresses, blocks = layout.addresses, layout.blocks
+    else:
+        found = _layout([params, grads, momentum_buffers], whole=whole)
+        if found is None:  # only empty tensors
+            return
+        addresses, blocks, _grads = found  # _grads: alive until the launch has read them
     scalars: tuple[float, ...]
     if isinstance(hp.lr, Tensor):  # evaluated on the device: nothing is read back
         like = hp.lr.to(params[0].device, torch.float64)
@@ -741,6 +816,8 @@ def qhadam_(
     found_inf: Tensor | None,
     seeds: Tensor | None = None,
     levels: tuple[Tensor, Tensor] | None = None,
+    layout: Layout | None = None,
+    whole: bool = False,
 ) -> None:
     """One fused QHAdam step over tensors of one device and dtype, contiguous.
 
@@ -752,7 +829,7 @@ def qhadam_(
     ``hp.amsgrad``, ``max_exp_avg_sqs`` are the running maxima. ``seeds``
     (int64 ``[tensors, 3]`` on the device): the moments (and maxima) are
     bfloat16, or 8-bit with ``levels`` (see :func:`qhm_`), rounded
-    stochastically with these seeds.
+    stochastically with these seeds. ``layout`` and ``whole``: see :func:`qhm_`.
     """
     lists = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if hp.amsgrad else [])]
     on_device = isinstance(steps[0], Tensor) if steps else False
@@ -780,10 +857,13 @@ def qhadam_(
             rows = _host_rows(hp, numbers)
             table = torch.tensor(rows, dtype=torch.float64).to(params[0].device)
             row_stride = 11
-    layout = _layout(cast(list[list[Tensor]], lists))
-    if layout is None:  # only empty tensors
-        return
-    addresses, blocks, _grads = layout  # _grads: alive until the launch has read them
+    if layout is not None:
+        addresses, blocks = layout.addresses, layout.blocks
+    else:
+        found = _layout(cast(list[list[Tensor]], lists), whole=whole)
+        if found is None:  # only empty tensors
+            return
+        addresses, blocks, _grads = found  # _grads: alive until the launch has read them
     _launch(
         _qhadam_kernel,
         blocks.block_tensor.numel(),

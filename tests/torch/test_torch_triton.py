@@ -102,6 +102,72 @@ def test_one_launch_per_device_and_dtype_and_tables_reused(
     assert _triton._BLOCKS == blocks and _triton._ADDRESSES == addresses
 
 
+@pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[0], CONFIGS[5]], ids=[IDS[0], IDS[5]])
+def test_a_group_whose_tensors_stay_put_steps_without_regrouping(
+    cls: type, kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qhoptim.torch import _fused
+
+    shapes = [(4, 3), (7,), (0,), (1,)]
+    params = _params(shapes)
+    params0 = [p.detach().cpu().clone() for p in params]
+    grads = random_grads(shapes, 4)
+    opt = cls(params, **kwargs, fused=True)
+    got = _run(opt, params, grads[:1])
+    groupings: list[int] = []
+    original = _fused._groups_with_indices
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        groupings.append(1)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(_fused, "_groups_with_indices", counted)
+    for step_grads in grads[1:]:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad.copy_(g.to(p.device))  # the gradients stay where they are
+        opt.step()
+        got.append([p.detach().cpu().numpy().copy() for p in params])
+    assert groupings == []
+    want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
+    assert_trajectories_close(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[0], CONFIGS[2]], ids=[IDS[0], IDS[2]])
+def test_a_parameter_changed_at_its_address_is_stepped_as_it_now_is(
+    cls: type, kwargs: dict[str, Any]
+) -> None:
+    # Set to another view of its memory, a parameter keeps its address: the
+    # layout of the step before no longer fits it (strides, or size), and the
+    # step finds that out rather than reading the memory as it was laid out.
+    runs = []
+    for impl in ({"fused": True}, {"foreach": True}):
+        gen = torch.Generator().manual_seed(1)
+        params = _params([(3, 3), (5,)])
+        opt = cls(params, **kwargs, **impl)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for step in range(4):
+            if step == 2:
+                params[0].data = params[0].data.t()  # same address, transposed
+            for p in params:  # the gradients stay where they are
+                p.grad.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            opt.step()
+        runs.append([p.detach().cpu().clone() for p in params])
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=0)
+
+    params = _params([(4,), (5,)])
+    opt = cls(params, **kwargs, fused=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()
+    params[0].data = params[0].data[:2]  # same address, fewer values (as its gradient)
+    params[0].grad = params[0].grad[:2]
+    with pytest.raises(RuntimeError, match="number of elements"):
+        opt.step()
+
+
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
 def test_many_small_and_empty_tensors_follow_the_reference(
     cls: type, kwargs: dict[str, Any]
