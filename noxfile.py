@@ -93,6 +93,13 @@ nox.options.sessions = [
 nox.options.default_venv_backend = "uv|virtualenv"
 # nox's own default: a missing interpreter fails the run under CI (CI is set)
 # and skips its sessions, reported as skipped, elsewhere.
+# Bytecode is written: the sessions' venvs are nox's own and outlive a run, and
+# where PYTHONDONTWRITEBYTECODE is set (some images set it) every process would
+# compile every framework module it imports again -- importing torch so took
+# about 5 s of a 2-core machine's time, in each test worker, conformance job
+# and example script -- where a process that finds the bytecode of an earlier
+# run takes under 2 s.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 if envdir := os.environ.get("QHOPTIM_NOX_ENVDIR"):
     nox.options.envdir = envdir
     nox.options.reuse_existing_virtualenvs = True
