@@ -20,7 +20,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,13 +33,15 @@ DEMO_CASES = ("qhm-rule-of-thumb-quadratic", "qhadam-slow-beta1-quadratic")
 SHOW_STEPS = (0, 1, 10, 50, 150)
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
-# Run in a child process with KERAS_BACKEND set: prints the trajectory as JSON.
+# Run in a child process with KERAS_BACKEND set: prints the trajectory of each
+# case named in its arguments, as one JSON object by case name.
 _KERAS_CHILD = """
 import json, sys
 from conformance.adapters import load_adapter
 from conformance.cases import load_cases
-case = {c.name: c for c in load_cases()}[sys.argv[1]]
-print(json.dumps(load_adapter("keras").run(case, "float64").tolist()))
+cases = {c.name: c for c in load_cases()}
+keras = load_adapter("keras")
+print(json.dumps({name: keras.run(cases[name], "float64").tolist() for name in sys.argv[1:]}))
 """
 
 
@@ -56,28 +59,58 @@ def installed_keras_backends() -> list[str]:
     return [b for b in KERAS_BACKENDS if _installed(b)]
 
 
+class KerasRuns:
+    """The Keras rows of ``cases``: one child process per installed Keras backend
+    runs them all (each imports its framework once), every child started at
+    once, while the other backends run here."""
+
+    def __init__(self, cases: Sequence[str]) -> None:
+        self._children = {
+            backend: subprocess.Popen(
+                [sys.executable, "-c", _KERAS_CHILD, *cases],
+                env=dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for backend in installed_keras_backends()
+        }
+        self._runs: dict[str, dict[str, list[Any]]] = {}
+
+    def trajectory(self, case: Case, backend: str) -> np.ndarray:
+        if backend not in self._runs:
+            child = self._children[backend]
+            out, err = child.communicate()
+            if child.returncode:
+                raise subprocess.CalledProcessError(child.returncode, child.args, out, err)
+            self._runs[backend] = json.loads(out.strip().splitlines()[-1])
+        return np.asarray(self._runs[backend][case.name], np.float64)
+
+
 def _keras_trajectory(case: Case, backend: str) -> np.ndarray:
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run(
-        [sys.executable, "-c", _KERAS_CHILD, case.name],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return np.asarray(json.loads(out.stdout.strip().splitlines()[-1]), np.float64)
+    return KerasRuns([case.name]).trajectory(case, backend)
 
 
-def trajectories(case: Case) -> Iterator[tuple[str, np.ndarray]]:
-    """``(row label, float64 trajectory)`` of every installed backend that runs ``case``."""
+def trajectories(case: Case, keras: KerasRuns | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """``(row label, float64 trajectory)`` of every installed backend that runs
+    ``case``; the Keras rows from ``keras`` where given (its children run
+    ``case``), else each from a child process of its own."""
     for name in REGISTRY:
         if name == "keras":
             for backend in installed_keras_backends():
-                yield f"keras-{backend}", _keras_trajectory(case, backend)
+                traj = (
+                    _keras_trajectory(case, backend)
+                    if keras is None
+                    else keras.trajectory(case, backend)
+                )
+                yield f"keras-{backend}", traj
             continue
         adapter = load_adapter(name)
         if adapter.available() and adapter.supports(case, "float64"):
             yield name, adapter.run(case, "float64")
 
 
-def _show(case: Case) -> tuple[bool, list[str]]:
+def _show(case: Case, keras: KerasRuns) -> tuple[bool, list[str]]:
     problem = case.problem
     print(f"\n== {case.name}: {case.optimizer} {case.hparams} on {problem.description}")
     ref = reference_trajectory(case)
@@ -88,7 +121,7 @@ def _show(case: Case) -> tuple[bool, list[str]]:
     )
     print(f"{'reference f64':<18}" + "".join(f"{ref[s, 0]:>22.15f}" for s in SHOW_STEPS))
     ok, rows = True, []
-    for label, traj in trajectories(case):
+    for label, traj in trajectories(case, keras):
         dev = max_relative_deviation(traj, ref)
         ok &= dev <= 1e-12
         rows.append(label)
@@ -103,7 +136,8 @@ def _show(case: Case) -> tuple[bool, list[str]]:
 
 def main() -> int:
     by_name = {c.name: c for c in load_cases()}
-    results = [_show(by_name[n]) for n in DEMO_CASES]
+    keras = KerasRuns(DEMO_CASES)
+    results = [_show(by_name[n], keras) for n in DEMO_CASES]
     ok = all(r[0] for r in results)
     labels = list(dict.fromkeys(label for _, rows in results for label in rows))
     print(f"\nproblems: {len(DEMO_CASES)}; backends installed here: {', '.join(labels)}")
