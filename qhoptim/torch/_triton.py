@@ -130,8 +130,8 @@ def _table(pointers: tuple[int, ...], rows: int, device: torch.device) -> Tensor
     return found
 
 
-# Address tables by (device, lists, addresses, parameters' sizes): addresses
-# whose tensors were checked (sizes, overlaps) for these sizes.
+# Address tables by (device, addresses, sizes of every tensor): tensors found
+# to pass _addresses' checks at these addresses with these sizes.
 _CHECKED: dict[tuple[Any, ...], Tensor] = {}
 
 
@@ -145,20 +145,20 @@ def _addresses(
     to hold its parameter's number of values, and a gradient that overlaps its
     parameter's memory (``p.grad = p.detach()``, or another window of the
     parameter's buffer) is copied first: the kernel reads it block by block as
-    it writes the parameter. Addresses seen before with these sizes were found
-    to pass both.
+    it writes the parameter. Tensors seen before at these addresses with these
+    sizes were found to pass both.
     """
     pointers = _pointers(lists)
-    key = (device, len(lists), pointers, sizes)
+    numels = (sizes, *(tuple(map(Tensor.numel, ts)) for ts in lists[1:]))
+    key = (device, pointers, numels)
     found = _CHECKED.get(key)  # the common case: one lookup
     if found is not None:
         return found, lists[1]
     params, grads = lists[0], lists[1]
     n = len(params)
-    for ts in lists[1:]:
+    for ts, counts in zip(lists[1:], numels[1:], strict=True):
         # The kernel reads as many of each (an 8-bit state: their bytes).
-        numels = tuple(t.numel() for t in ts)
-        if numels != sizes and list(numels) != _packed(list(sizes), ts):
+        if counts != sizes and list(counts) != _packed(list(sizes), ts):
             raise RuntimeError(
                 "fused=True: each gradient and state must have its parameter's number of elements"
             )
@@ -629,29 +629,31 @@ _DTYPE = operator.attrgetter("dtype")
 
 def known_layout(lists: list[list[Tensor]]) -> Layout | None:
     """The layout of ``lists`` (parameters, gradients, state) if a step found it
-    for tensors at these addresses and the parameters keep that step's dtype
-    and sizes and the parameters and gradients are contiguous; else None.
+    for tensors at these addresses and every tensor still has the size it had
+    then and is contiguous, and the parameters keep their dtype; else None.
 
     Tensors at the same addresses are on the same devices (one address space
-    for host and GPUs); a gradient has its parameter's size, dtype and device
-    (autograd checks them), and the state is this optimizer's, made like its
-    parameter. What can change at an address is checked here: a parameter's
-    dtype, size and strides (``p.data`` set to another view of its memory)
-    and a gradient's strides."""
+    for host and GPUs). What can change at an address is checked here: a
+    parameter's or state's size and a tensor's strides (``p.data`` set to
+    another view of its memory, a state loaded at a freed tensor's address),
+    and a parameter's dtype. A gradient has its parameter's size and dtype
+    (autograd checks them when it is set, and a parameter resized since then
+    fails the parameters' check); the state is this optimizer's, made like its
+    parameter."""
     found = _LAYOUTS.get((len(lists), _pointers(lists)))
     if found is None:
         return None
-    params, grads = lists[0], lists[1]
-    dtype = found.dtype
-    if (
-        tuple(map(Tensor.numel, params)) != found.sizes
-        or not all(map(operator.is_, map(_DTYPE, params), itertools.repeat(dtype)))
-        or not all(map(Tensor.is_contiguous, params))
-        or not all(map(Tensor.is_contiguous, grads))
-        or not _tensors.runs_triton(found.device)
-    ):
+    sizes = found.sizes
+    params, _, *states = lists
+    if not all(map(operator.is_, map(_DTYPE, params), itertools.repeat(found.dtype))):
         return None
-    return found
+    for ts in (params, *states):
+        if tuple(map(Tensor.numel, ts)) != sizes:
+            return None
+    for ts in lists:
+        if not all(map(Tensor.is_contiguous, ts)):
+            return None
+    return found if _tensors.runs_triton(found.device) else None
 
 
 def _layout(

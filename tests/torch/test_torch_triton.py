@@ -167,6 +167,20 @@ def test_a_parameter_changed_at_its_address_is_stepped_as_it_now_is(
     with pytest.raises(RuntimeError, match="number of elements"):
         opt.step()
 
+    # A state of another size at its old address (as a checkpoint's state that
+    # the allocator placed where the state it replaces had been).
+    params = _params([(4,), (5,)])
+    opt = cls(params, **kwargs, fused=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()
+    state = opt.state[params[0]]
+    name = "momentum_buffer" if "momentum_buffer" in state else "exp_avg"
+    state[name].data = state[name].data[:2]
+    with pytest.raises(RuntimeError, match="number of elements"):
+        opt.step()
+
 
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
 def test_many_small_and_empty_tensors_follow_the_reference(
