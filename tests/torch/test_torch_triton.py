@@ -156,12 +156,7 @@ def test_a_parameter_changed_at_its_address_is_stepped_as_it_now_is(
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=0)
 
-    params = _params([(4,), (5,)])
-    opt = cls(params, **kwargs, fused=True)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt.step()
-    opt.step()
+    params, opt = _stepped_twice(cls, kwargs)
     params[0].data = params[0].data[:2]  # same address, fewer values (as its gradient)
     params[0].grad = params[0].grad[:2]
     with pytest.raises(RuntimeError, match="number of elements"):
@@ -169,17 +164,24 @@ def test_a_parameter_changed_at_its_address_is_stepped_as_it_now_is(
 
     # A state of another size at its old address (as a checkpoint's state that
     # the allocator placed where the state it replaces had been).
+    params, opt = _stepped_twice(cls, kwargs)
+    state = opt.state[params[0]]
+    name = "momentum_buffer" if "momentum_buffer" in state else "exp_avg"
+    state[name].data = state[name].data[:2]
+    with pytest.raises(RuntimeError, match="number of elements"):
+        opt.step()
+
+
+def _stepped_twice(cls: type, kwargs: dict[str, Any]) -> tuple[list[torch.nn.Parameter], Any]:
+    """Two parameters and a fused optimizer that has stepped them twice (its
+    layout kept), their gradients in place."""
     params = _params([(4,), (5,)])
     opt = cls(params, **kwargs, fused=True)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
     opt.step()
-    state = opt.state[params[0]]
-    name = "momentum_buffer" if "momentum_buffer" in state else "exp_avg"
-    state[name].data = state[name].data[:2]
-    with pytest.raises(RuntimeError, match="number of elements"):
-        opt.step()
+    return params, opt
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
