@@ -677,6 +677,16 @@ def _layout(
     return addresses, blocks, grads
 
 
+def _kept_or_new_layout(
+    lists: list[list[Tensor]], layout: Layout | None, whole: bool
+) -> tuple[Tensor, _Blocks, list[Tensor]] | None:
+    """:func:`_layout` of ``lists``, or the table and blocks of ``layout``, a
+    :func:`known_layout` of theirs."""
+    if layout is not None:
+        return layout.addresses, layout.blocks, lists[1]
+    return _layout(lists, whole=whole)
+
+
 def _scalars(values: tuple[Any, ...], like: Tensor) -> tuple[Tensor, tuple[float, ...]]:
     """``values`` as the launch takes them: the launch's float32 scalars, or for
     float64 parameters a float64 table on the device (and zeros as scalars)."""
@@ -736,13 +746,10 @@ def qhm_(
     or 8-bit with ``levels`` (the signed and unsigned level tables, float32 on
     the device), rounded stochastically with each tensor's first seed.
     ``layout``: the lists' :func:`known_layout`; ``whole``: see :func:`_layout`."""
-    if layout is not None:
-        addresses, blocks = layout.addresses, layout.blocks
-    else:
-        found = _layout([params, grads, momentum_buffers], whole=whole)
-        if found is None:  # only empty tensors
-            return
-        addresses, blocks, _grads = found  # _grads: alive until the launch has read them
+    found = _kept_or_new_layout([params, grads, momentum_buffers], layout, whole)
+    if found is None:  # only empty tensors
+        return
+    addresses, blocks, _grads = found  # _grads: alive until the launch has read them
     scalars: tuple[float, ...]
     if isinstance(hp.lr, Tensor):  # evaluated on the device: nothing is read back
         like = hp.lr.to(params[0].device, torch.float64)
@@ -859,13 +866,10 @@ def qhadam_(
             rows = _host_rows(hp, numbers)
             table = torch.tensor(rows, dtype=torch.float64).to(params[0].device)
             row_stride = 11
-    if layout is not None:
-        addresses, blocks = layout.addresses, layout.blocks
-    else:
-        found = _layout(cast(list[list[Tensor]], lists), whole=whole)
-        if found is None:  # only empty tensors
-            return
-        addresses, blocks, _grads = found  # _grads: alive until the launch has read them
+    found = _kept_or_new_layout(cast(list[list[Tensor]], lists), layout, whole)
+    if found is None:  # only empty tensors
+        return
+    addresses, blocks, _grads = found  # _grads: alive until the launch has read them
     _launch(
         _qhadam_kernel,
         blocks.block_tensor.numel(),
