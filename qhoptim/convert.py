@@ -1051,4 +1051,7 @@ def from_lion(lr: float, betas: Sequence[float]) -> SignQHMParams:
         raise ValueError(
             f"betas[1] must be in (0, 1) when betas[0] > 0; received {_received(betas=betas)}"
         )
-    return SignQHMParams(lr, b1 / b2, b2)
+    nu = b1 / b2
+    if not math.isfinite(nu):  # a subnormal betas[1]
+        raise _unrepresentable("a QHM nu", nu, betas=betas)
+    return SignQHMParams(lr, nu, b2)

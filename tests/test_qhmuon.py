@@ -211,6 +211,11 @@ def test_from_lion_closed_form_and_limits() -> None:
         convert.from_lion(1e-4, (0.9, 0.0))
     with pytest.raises(ValueError, match=r"betas\[0\] must be in \[0, 1\); received betas\[0\]=1"):
         convert.from_lion(1e-4, (1, 0.99))
+    # nu = betas[0] / betas[1] past float64's range (a subnormal betas[1]).
+    with pytest.raises(
+        ValueError, match=r"^betas give a QHM nu that overflows float64 \(nu=inf\); received betas="
+    ):
+        convert.from_lion(1e-4, (0.5, 5e-324))
 
 
 def test_from_muon_refuses_bad_settings() -> None:
