@@ -1,6 +1,7 @@
 """Two builds of the fused CPU kernel side by side: the fused step of each, interleaved.
 
     python -m benchmarks.kernel_ab OLD.so NEW.so [--rounds 9] [--states f32 bf16 u8]
+        [--cases resnet18 1e7 1e6]
 
 A change to ``qhoptim/torch/csrc/fused_cpu.cpp`` is measured against the build
 before it in one process, so that the machine's drift (a tenth and more from
@@ -9,7 +10,8 @@ built extension (``qhoptim.torch._extension.cpu_extension().__file__`` prints
 the current one; an older one stays in torch's extension folder, or comes from
 a ``git worktree`` of the older commit). For QHAdam and QHM (the settings of
 ``benchmarks.state_dtype``) with float32, bfloat16 and 8-bit state, on
-ResNet-18 shapes and one tensor of 1e7 values, each build's optimizers step in
+ResNet-18 shapes and one tensor of 1e7 values (and of 1e6, whose step runs
+from the caches rather than memory), each build's optimizers step in
 turn (3 steps per turn, ``--rounds`` turns) and the median step time is
 printed, with the narrow states' ratio to the same build's float32-state step.
 """
@@ -29,7 +31,7 @@ from benchmarks.shapes import RESNET18
 from benchmarks.state_dtype import SETTINGS
 from qhoptim.torch import _fused
 
-CASES = {"resnet18": RESNET18, "1e7": [(10_000_000,)]}
+CASES = {"resnet18": RESNET18, "1e7": [(10_000_000,)], "1e6": [(1_000_000,)]}
 STATES: dict[str, torch.dtype | None] = {"f32": None, "bf16": torch.bfloat16, "u8": torch.uint8}
 
 
@@ -48,8 +50,9 @@ def use(build: Any) -> None:
     _fused.cpu_extension = lambda: build
 
 
-def compare(builds: dict[str, Any], states: list[str], rounds: int) -> None:
-    for case, shapes in CASES.items():
+def compare(builds: dict[str, Any], states: list[str], rounds: int, cases: list[str]) -> None:
+    for case in cases:
+        shapes = CASES[case]
         runs = {}
         for name, (cls, kwargs) in SETTINGS.items():
             for state in states:
@@ -90,11 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("new", type=Path)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--states", nargs="+", default=list(STATES), choices=list(STATES))
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"old: {args.old}\nnew: {args.new}\n{args.threads} threads, median of {args.rounds}")
-    compare({"old": load_build(args.old), "new": load_build(args.new)}, args.states, args.rounds)
+    builds = {"old": load_build(args.old), "new": load_build(args.new)}
+    compare(builds, args.states, args.rounds, args.cases)
     return 0
 
 

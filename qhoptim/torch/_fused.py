@@ -459,17 +459,16 @@ def _qhadam_numbers_(
     lr = float(hp.lr)
     coupled, decay = _decay(hp, lr)
     w = rules.qhadam_moment_weights(hp.beta1, hp.beta2)
-    # One fold per distinct step number (usually one for the whole list).
+    # One fold per distinct step number (usually one for the whole list), as
+    # Python numbers: one row of 5 for every tensor, else a row per tensor.
     folds = {
         t: _kernels.host_fold(t, lr, hp.beta1, hp.beta2, hp.nu1, hp.nu2, hp.eps)[1:]
         for t in set(steps)
     }
     if len(folds) == 1:
-        (fold,) = folds.values()
-        coefficients = torch.tensor(fold, dtype=torch.float64).expand(len(steps), -1)
+        (coefficients,) = folds.values()
     else:
-        coefficients = torch.tensor([folds[t] for t in steps], dtype=torch.float64)
-    coefficients = coefficients.contiguous()
+        coefficients = tuple(x for t in steps for x in folds[t])
     arguments = (
         ps,
         gs,

@@ -103,6 +103,27 @@ def test_fused_equals_foreach_to_rounding_over_100_float32_steps(
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.uint8], ids=str)
+@_configs(0, 3, 6, AMSGRAD[0])
+def test_maximize_of_the_negated_gradients_steps_the_same_bits(
+    cls: type, kwargs: dict[str, Any], state_dtype: torch.dtype | None, device: str
+) -> None:
+    # Without a grad scale, maximize or weight decay the kernels' loops skip
+    # the gradient's multiplier and the parameter's decay factor (both 1);
+    # maximize takes the loops that multiply (by -1), whose step from -g must
+    # be the same bits as the other's from g: x * 1 is x, also in an FMA.
+    grads = random_grads(SHAPES, 20)
+    runs = []
+    for sign, maximize in ((1, False), (-1, True)):
+        params = _params(F32, device=device)
+        opt = cls(params, **kwargs, maximize=maximize, state_dtype=state_dtype, fused=True)
+        runs.append(_run(opt, params, [[sign * g for g in step] for step in grads]))
+    for step, (plain, maximized) in enumerate(zip(*runs, strict=True)):
+        for a, b in zip(plain, maximized, strict=True):
+            assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+
+
 @_configs(1, 4, 7, AMSGRAD[1])
 @pytest.mark.parametrize("direction", ["fused->foreach", "foreach->fused"])
 def test_state_dict_moves_between_fused_and_foreach(

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -148,17 +149,6 @@ class PositionKeys {
   uint32_t key_;
 };
 
-// f(fold, low) with both flags as compile-time constants (std::bool_constant).
-// A fold is only ever needed by a bfloat16 state's chunk past 2**32 values.
-template <typename F>
-inline void with_flags(bool fold, bool low, F&& f) {
-  if (fold) {
-    low ? f(std::true_type{}, std::true_type{}) : f(std::true_type{}, std::false_type{});
-  } else {
-    low ? f(std::false_type{}, std::true_type{}) : f(std::false_type{}, std::false_type{});
-  }
-}
-
 // A state value stored: in the state's own dtype, or (SR) a float32 value
 // rounded stochastically to bfloat16 -- the low 16 bits of its pattern plus
 // 16 random bits carry into the kept half exactly as often as they are
@@ -176,16 +166,69 @@ inline state_t store(opmath_t value, uint32_t seed, uint32_t key) {
   }
 }
 
-// The gradient with coupled weight decay, g + wd * p (COUPLED), or g itself
-// where wd is 0: a NaN or infinite parameter (0 * NaN is NaN) then leaves its
-// state alone, as in the multi-tensor kernels. A compile-time flag, so that no
-// branch keeps the loops from vectorizing.
-template <bool COUPLED, typename opmath_t>
-inline opmath_t coupled_gradient(opmath_t g, opmath_t wd, opmath_t p) {
-  if constexpr (COUPLED) {
-    return g + wd * p;
-  } else {
+// Which of a step's optional terms a loop computes, chosen once per tensor as
+// a compile-time argument, so that no branch keeps the loops from vectorizing
+// and none multiplies by one:
+//   kBare     the gradient as it is and the parameter undecayed (no grad scale,
+//             not maximize, no weight decay: the common case);
+//   kScaled   the gradient times its multiplier gm (GradScaler's 1 / scale,
+//             -1 to maximize), the parameter times its decoupled decay df;
+//   kCoupled  kScaled's, with coupled weight decay, g * gm + wd * p.
+// Where wd is 0 the gradient is not g + 0 * p: a NaN or infinite parameter
+// (0 * NaN is NaN) then leaves its state alone, as in the multi-tensor
+// kernels. kBare's values are kScaled's with gm = df = 1, bit for bit (x * 1
+// is x, also inside a fused multiply-add).
+enum Terms : int { kBare, kScaled, kCoupled };
+
+inline Terms terms_of(double grad_multiplier, double coupled_weight_decay, double decay_factor) {
+  if (coupled_weight_decay != 0) {
+    return kCoupled;
+  }
+  return grad_multiplier == 1 && decay_factor == 1 ? kBare : kScaled;
+}
+
+// f(terms, low) with both as compile-time constants (std::integral_constant).
+// BARE: whether kBare's loops are built; where not, kScaled's step those tensors
+// (the same values). They are built for float32 parameters, whose steps are
+// the ones that must be fast, and not for the other dtypes: a third set of
+// loops for each would add a quarter to the build's time.
+template <bool BARE, typename F>
+inline void with_terms(Terms terms, bool low, F&& f) {
+  auto with_low = [&](auto terms_tag) {
+    low ? f(terms_tag, std::true_type{}) : f(terms_tag, std::false_type{});
+  };
+  if (terms == kCoupled) {
+    with_low(std::integral_constant<int, kCoupled>{});
+    return;
+  }
+  if constexpr (BARE) {
+    if (terms == kBare) {
+      with_low(std::integral_constant<int, kBare>{});
+      return;
+    }
+  }
+  with_low(std::integral_constant<int, kScaled>{});
+}
+
+// The gradient a step reads, g * gm (+ wd * p): see Terms.
+template <int TERMS, typename opmath_t>
+inline opmath_t step_gradient(opmath_t g, opmath_t gm, opmath_t wd, opmath_t p) {
+  if constexpr (TERMS == kBare) {
     return g;
+  } else if constexpr (TERMS == kScaled) {
+    return g * gm;
+  } else {
+    return g * gm + wd * p;
+  }
+}
+
+// The parameter a step starts from, p * df: see Terms.
+template <int TERMS, typename opmath_t>
+inline opmath_t decayed(opmath_t p, opmath_t df) {
+  if constexpr (TERMS == kBare) {
+    return p;
+  } else {
+    return p * df;
   }
 }
 
@@ -205,17 +248,17 @@ at::Tensor readable_grad(const at::Tensor& param, const at::Tensor& grad) {
 // values, so the compiler vectorizes the loop without run-time checks. `first`
 // is the chunk's position in the tensor (the rounding noise's counter).
 template <typename scalar_t, typename state_t, bool SR, typename opmath_t, bool FOLD, bool LOW,
-          bool COUPLED>
+          int TERMS>
 void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t* __restrict__ b,
                int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w,
                opmath_t bv, opmath_t gv, uint32_t seed) {
   PositionKeys<FOLD> keys(first);
   for (int64_t i = 0; i < n; ++i) {
     const opmath_t pi = static_cast<opmath_t>(p[i]);
-    const opmath_t gi = coupled_gradient<COUPLED>(static_cast<opmath_t>(g[i]) * gm, wd, pi);
+    const opmath_t gi = step_gradient<TERMS>(static_cast<opmath_t>(g[i]), gm, wd, pi);
     const opmath_t bi = lerp<LOW>(static_cast<opmath_t>(b[i]), gi, w);
     b[i] = store<state_t, SR>(bi, seed, keys.next());
-    p[i] = static_cast<scalar_t>(pi * df + bv * bi + gv * gi);
+    p[i] = static_cast<scalar_t>(decayed<TERMS>(pi, df) + bv * bi + gv * gi);
   }
 }
 
@@ -230,17 +273,16 @@ void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, doub
   const opmath_t gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
                  w = grad_to_buffer, bv = buffer_value, gv = grad_value;
   const bool low = w < opmath_t(0.5);
-  const bool coupled = wd != opmath_t(0);
+  const Terms terms = terms_of(grad_multiplier, coupled_weight_decay, decay_factor);
   at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
-    auto chunk = [&](auto fold_tag, auto low_tag) {
-      auto run = [&](auto coupled_tag) {
+    with_terms<std::is_same_v<scalar_t, float>>(terms, low, [&](auto terms_tag, auto low_tag) {
+      auto run = [&](auto fold_tag) {
         qhm_chunk<scalar_t, state_t, SR, opmath_t, decltype(fold_tag)::value,
-                  decltype(low_tag)::value, decltype(coupled_tag)::value>(
+                  decltype(low_tag)::value, decltype(terms_tag)::value>(
             p + begin, g + begin, b + begin, begin, end - begin, gm, wd, df, w, bv, gv, seed);
       };
-      coupled ? run(std::true_type{}) : run(std::false_type{});
-    };
-    with_flags(SR && needs_fold(begin, end - begin), low, chunk);
+      SR && needs_fold(begin, end - begin) ? run(std::true_type{}) : run(std::false_type{});
+    });
   });
 }
 
@@ -250,7 +292,7 @@ void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, doub
 // which the denominator reads in its place (qhoptim.rules.qhadam_amsgrad_update,
 // with the same folded coefficients); without it v is unused.
 template <typename scalar_t, typename state_t, bool SR, typename opmath_t, int FORM, bool AMSGRAD,
-          bool FOLD, bool LOW, bool COUPLED>
+          bool FOLD, bool LOW, int TERMS>
 void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
                   state_t* __restrict__ m, state_t* __restrict__ s, state_t* __restrict__ v,
                   int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w1,
@@ -263,7 +305,7 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t at = keys.next();
     const opmath_t pi = static_cast<opmath_t>(p[i]);
-    const opmath_t gi = coupled_gradient<COUPLED>(static_cast<opmath_t>(g[i]) * gm, wd, pi);
+    const opmath_t gi = step_gradient<TERMS>(static_cast<opmath_t>(g[i]), gm, wd, pi);
     const opmath_t mi = lerp<LOW>(static_cast<opmath_t>(m[i]), gi, w1);
     const opmath_t si = b2 * static_cast<opmath_t>(s[i]) + w2 * gi * gi;
     // What the denominator reads: the second moment, or its running maximum.
@@ -282,7 +324,7 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
     }
     m[i] = store<state_t, SR>(mi, seed_m, at);
     s[i] = store<state_t, SR>(si, seed_s, at);
-    p[i] = static_cast<scalar_t>(pi * df + (mv * mi + gv * gi) / (base + eps));
+    p[i] = static_cast<scalar_t>(decayed<TERMS>(pi, df) + (mv * mi + gv * gi) / (base + eps));
   }
 }
 
@@ -303,18 +345,17 @@ void qhadam_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_av
   // FoldedQHAdam: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value
   const opmath_t sw = c[0], gw = c[1], eps = c[2], mv = c[3], gv = c[4];
   const bool low = w1 < opmath_t(0.5);
-  const bool coupled = wd != opmath_t(0);
+  const Terms terms = terms_of(grad_multiplier, coupled_weight_decay, decay_factor);
   at::parallel_for(0, param.numel(), kGrain, [=](int64_t begin, int64_t end) {
-    auto chunk = [&](auto fold_tag, auto low_tag) {
-      auto run = [&](auto coupled_tag) {
+    with_terms<std::is_same_v<scalar_t, float>>(terms, low, [&](auto terms_tag, auto low_tag) {
+      auto run = [&](auto fold_tag) {
         qhadam_chunk<scalar_t, state_t, SR, opmath_t, FORM, AMSGRAD, decltype(fold_tag)::value,
-                     decltype(low_tag)::value, decltype(coupled_tag)::value>(
+                     decltype(low_tag)::value, decltype(terms_tag)::value>(
             p + begin, g + begin, m + begin, s + begin, AMSGRAD ? v + begin : nullptr, begin,
             end - begin, gm, wd, df, w1, b2, w2, sw, gw, eps, mv, gv, seeds);
       };
-      coupled ? run(std::true_type{}) : run(std::false_type{});
-    };
-    with_flags(SR && needs_fold(begin, end - begin), low, chunk);
+      SR && needs_fold(begin, end - begin) ? run(std::true_type{}) : run(std::false_type{});
+    });
   });
 }
 
@@ -334,6 +375,16 @@ std::vector<uint32_t> seed_table(const at::Tensor& seeds, size_t n) {
     out[i] = static_cast<uint32_t>(s[i]);
   }
   return out;
+}
+
+// QHAdam's folded coefficients (qhoptim.rules.FoldedQHAdam less its first
+// field: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value):
+// one row of 5 for every tensor (the usual case, every count the same), or a
+// row per tensor. Returns the distance from one tensor's row to the next's.
+size_t coefficient_row(const std::vector<double>& coefficients, size_t n) {
+  TORCH_CHECK(coefficients.size() == 5 || coefficients.size() == 5 * n,
+              "qhoptim fused: coefficients must be 5 numbers, or 5 per tensor");
+  return coefficients.size() == 5 ? 0 : 5;
 }
 
 }  // namespace
@@ -368,8 +419,8 @@ void qhm_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
 // for plain QHAdam. seeds: see seed_table.
 void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
              std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-             std::vector<at::Tensor> max_exp_avg_sqs, at::Tensor coefficients, int64_t form,
-             double grad_multiplier, double coupled_weight_decay, double decay_factor,
+             std::vector<at::Tensor> max_exp_avg_sqs, std::vector<double> coefficients,
+             int64_t form, double grad_multiplier, double coupled_weight_decay, double decay_factor,
              double exp_avg_lerp, double beta2, double one_minus_beta2, at::Tensor seeds) {
   const bool amsgrad = !max_exp_avg_sqs.empty();
   const bool narrow = seeds.numel() > 0;
@@ -381,11 +432,9 @@ void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   TORCH_CHECK(!narrow || std::all_of(params.begin(), params.end(),
                                      [](const at::Tensor& p) { return p.scalar_type() == at::kFloat; }),
               "qhoptim fused: a bfloat16 state is for float32 parameters");
-  TORCH_CHECK(coefficients.scalar_type() == at::kDouble && coefficients.is_contiguous() &&
-                  coefficients.numel() == static_cast<int64_t>(params.size()) * 5,
-              "qhoptim fused: coefficients must be a contiguous float64 tensor [n, 5]");
+  const size_t row = coefficient_row(coefficients, params.size());
   TORCH_CHECK(form >= 0 && form <= 2, "qhoptim fused: unknown denominator form");
-  const double* c = coefficients.data_ptr<double>();
+  const double* c = coefficients.data();
   const std::vector<uint32_t> seed = seed_table(seeds, params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor grad = readable_grad(params[i], grads[i]);
@@ -399,12 +448,12 @@ void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
         constexpr int kForm = decltype(form_tag)::value;
         if (amsgrad) {
           qhadam_tensor<scalar_t, state_t, kSR, kForm, true>(
-              params[i], grad, exp_avgs[i], exp_avg_sqs[i], maxes, c + 5 * i, grad_multiplier,
+              params[i], grad, exp_avgs[i], exp_avg_sqs[i], maxes, c + row * i, grad_multiplier,
               coupled_weight_decay, decay_factor, exp_avg_lerp, beta2, one_minus_beta2,
               seed.data() + 3 * i);
         } else {
           qhadam_tensor<scalar_t, state_t, kSR, kForm, false>(
-              params[i], grad, exp_avgs[i], exp_avg_sqs[i], nullptr, c + 5 * i, grad_multiplier,
+              params[i], grad, exp_avgs[i], exp_avg_sqs[i], nullptr, c + row * i, grad_multiplier,
               coupled_weight_decay, decay_factor, exp_avg_lerp, beta2, one_minus_beta2,
               seed.data() + 3 * i);
         }
@@ -439,14 +488,13 @@ void stochastic_round_(at::Tensor dst, at::Tensor src, int64_t seed, int64_t sta
   const float* x = src.data_ptr<float>();
   const auto s = static_cast<uint32_t>(seed);
   at::parallel_for(0, src.numel(), kGrain, [=](int64_t begin, int64_t end) {
-    auto chunk = [&](auto fold_tag, auto) {
-      constexpr bool kFold = decltype(fold_tag)::value;
-      PositionKeys<kFold> keys(start + begin);
+    auto chunk = [&](auto fold_tag) {
+      PositionKeys<decltype(fold_tag)::value> keys(start + begin);
       for (int64_t i = 0; i < end - begin; ++i) {
         d[begin + i] = store<c10::BFloat16, true>(x[begin + i], s, keys.next());
       }
     };
-    with_flags(needs_fold(start + begin, end - begin), false, chunk);
+    needs_fold(start + begin, end - begin) ? chunk(std::true_type{}) : chunk(std::false_type{});
   });
 }
 
@@ -1235,15 +1283,15 @@ void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   const float gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
               w = grad_to_buffer, bv = buffer_value, gv = grad_value;
   const bool low = w < 0.5f;
-  const bool coupled = wd != 0.0f;
+  const Terms terms = terms_of(grad_multiplier, coupled_weight_decay, decay_factor);
   for_each_float32_param(params, grads, [&](size_t i, float* p, const float* g) {
-    with_flags(coupled, low, [&](auto coupled_tag, auto low_tag) {
+    with_terms<true>(terms, low, [&](auto terms_tag, auto low_tag) {
       eight_bit_blocks<1>(
           params[i], g, {&momentum_buffers[i]}, {true}, {seed[3 * i]}, ladder, ladder,
           [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
             qhm_chunk<float, float, false, float, false, decltype(low_tag)::value,
-                      decltype(coupled_tag)::value>(p + lo, g + lo, local[0], lo, len, gm, wd, df,
-                                                    w, bv, gv, 0);
+                      decltype(terms_tag)::value>(p + lo, g + lo, local[0], lo, len, gm, wd, df,
+                                                  w, bv, gv, 0);
           });
     });
   });
@@ -1253,8 +1301,8 @@ void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
 // (and no other) signed; `levels_signed`, `levels_unsigned` the two ladders.
 void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
               std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-              std::vector<at::Tensor> max_exp_avg_sqs, at::Tensor coefficients, int64_t form,
-              double grad_multiplier, double coupled_weight_decay, double decay_factor,
+              std::vector<at::Tensor> max_exp_avg_sqs, std::vector<double> coefficients,
+              int64_t form, double grad_multiplier, double coupled_weight_decay, double decay_factor,
               double exp_avg_lerp, double beta2, double one_minus_beta2, at::Tensor seeds,
               at::Tensor levels_signed, at::Tensor levels_unsigned, int64_t per_octave) {
   const bool amsgrad = !max_exp_avg_sqs.empty();
@@ -1263,33 +1311,31 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   } else {
     check_float32_params(params, grads, {exp_avgs, exp_avg_sqs});
   }
-  TORCH_CHECK(coefficients.scalar_type() == at::kDouble && coefficients.is_contiguous() &&
-                  coefficients.numel() == static_cast<int64_t>(params.size()) * 5,
-              "qhoptim fused: coefficients must be a contiguous float64 tensor [n, 5]");
+  const size_t row = coefficient_row(coefficients, params.size());
   TORCH_CHECK(form >= 0 && form <= 2, "qhoptim fused: unknown denominator form");
-  const double* c = coefficients.data_ptr<double>();
   const std::vector<uint32_t> seed = seed_table(seeds, params.size());
   const Ladder signed_ladder = ladder_of(levels_signed, per_octave);
   const Ladder unsigned_ladder = ladder_of(levels_unsigned, per_octave);
   const float gm = grad_multiplier, wd = coupled_weight_decay, df = decay_factor,
               w1 = exp_avg_lerp, b2 = beta2, w2 = one_minus_beta2;
   const bool low = w1 < 0.5f;
-  const bool coupled = wd != 0.0f;
+  const Terms terms = terms_of(grad_multiplier, coupled_weight_decay, decay_factor);
   for_each_float32_param(params, grads, [&](size_t i, float* p, const float* g) {
     // FoldedQHAdam: exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value
-    const float sw = c[5 * i], gw = c[5 * i + 1], eps = c[5 * i + 2], mv = c[5 * i + 3],
-                gv = c[5 * i + 4];
+    const double* c = coefficients.data() + row * i;
+    const float sw = c[0], gw = c[1], eps = c[2], mv = c[3], gv = c[4];
     const uint32_t no_seeds[3] = {0, 0, 0};
     auto with_form = [&](auto form_tag) {
       constexpr int kForm = decltype(form_tag)::value;
-      with_flags(coupled, low, [&](auto coupled_tag, auto low_tag) {
-        constexpr bool kLow = decltype(low_tag)::value, kCoupled = decltype(coupled_tag)::value;
+      with_terms<true>(terms, low, [&](auto terms_tag, auto low_tag) {
+        constexpr bool kLow = decltype(low_tag)::value;
+        constexpr int kTerms = decltype(terms_tag)::value;
         if (amsgrad) {
           eight_bit_blocks<3>(
               params[i], g, {&exp_avgs[i], &exp_avg_sqs[i], &max_exp_avg_sqs[i]},
               {true, false, false}, {seed[3 * i], seed[3 * i + 1], seed[3 * i + 2]},
               signed_ladder, unsigned_ladder, [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
-                qhadam_chunk<float, float, false, float, kForm, true, false, kLow, kCoupled>(
+                qhadam_chunk<float, float, false, float, kForm, true, false, kLow, kTerms>(
                     p + lo, g + lo, local[0], local[1], local[2], lo, len, gm, wd, df, w1, b2,
                     w2, sw, gw, eps, mv, gv, no_seeds);
               });
@@ -1298,7 +1344,7 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
               params[i], g, {&exp_avgs[i], &exp_avg_sqs[i]}, {true, false},
               {seed[3 * i], seed[3 * i + 1]}, signed_ladder, unsigned_ladder,
               [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
-                qhadam_chunk<float, float, false, float, kForm, false, false, kLow, kCoupled>(
+                qhadam_chunk<float, float, false, float, kForm, false, false, kLow, kTerms>(
                     p + lo, g + lo, local[0], local[1], nullptr, lo, len, gm, wd, df, w1, b2, w2,
                     sw, gw, eps, mv, gv, no_seeds);
               });
