@@ -10,8 +10,8 @@ built extension (``qhoptim.torch._extension.cpu_extension().__file__`` prints
 the current one; an older one stays in torch's extension folder, or comes from
 a ``git worktree`` of the older commit). For QHAdam and QHM (the settings of
 ``benchmarks.state_dtype``) with float32, bfloat16 and 8-bit state, on
-ResNet-18 shapes and one tensor of 1e7 values (and of 1e6, whose step runs
-from the caches rather than memory), each build's optimizers step in
+ResNet-18 shapes and one tensor of 1e7 values (and of 1e6, where the host's share of
+a step shows), each build's optimizers step in
 turn (3 steps per turn, ``--rounds`` turns) and the median step time is
 printed, with the narrow states' ratio to the same build's float32-state step.
 """

@@ -65,11 +65,13 @@ def _params(
     ]
 
 
-def _run(opt: Any, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> list[Any]:
+def _run(opt: Any, params: list[torch.Tensor], grads: list[list[Any]]) -> list[Any]:
+    """The parameters after each step of ``grads`` (a None gradient: that
+    parameter sits the step out)."""
     out = []
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
-            p.grad = g.to(p.device, p.dtype).clone()
+            p.grad = None if g is None else g.to(p.device, p.dtype).clone()
         opt.step()
         out.append([p.detach().clone() for p in params])
     return out
@@ -101,6 +103,26 @@ def test_fused_equals_foreach_to_rounding_over_100_float32_steps(
     for fused, foreach in zip(*runs.values(), strict=True):
         for a, b in zip(fused, foreach, strict=True):
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@_configs(3, 4, 7, AMSGRAD[0])
+def test_step_counts_that_differ_take_a_row_of_coefficients_each(
+    cls: type, kwargs: dict[str, Any], device: str
+) -> None:
+    # A parameter without a gradient misses a step: its count falls behind, and
+    # its coefficients (bias corrections) differ from the others' -- one row
+    # per tensor where the step's counts differ, one row for all where not.
+    grads = random_grads(SHAPES, 6)
+    for t in (1, 3):
+        grads[t][1] = None  # type: ignore[call-overload]
+    runs = []
+    for impl in ({"fused": True}, {"foreach": True}):
+        params = _params(device=device)
+        runs.append(_run(cls(params, **kwargs, **impl), params, grads))
+    for fused, foreach in zip(*runs, strict=True):
+        for a, b in zip(fused, foreach, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
