@@ -60,11 +60,11 @@ def installed_keras_backends() -> list[str]:
 
 
 class KerasRuns:
-    """The Keras rows of ``cases``: one child process per installed Keras backend
-    runs them all (each imports its framework once), every child started at
-    once, while the other backends run here."""
+    """The Keras rows of ``cases``: one child process per Keras backend (each
+    installed one, or ``backends``) runs them all (each imports its framework
+    once), every child started at once, while the other backends run here."""
 
-    def __init__(self, cases: Sequence[str]) -> None:
+    def __init__(self, cases: Sequence[str], backends: Sequence[str] | None = None) -> None:
         self._children = {
             backend: subprocess.Popen(
                 [sys.executable, "-c", _KERAS_CHILD, *cases],
@@ -73,7 +73,7 @@ class KerasRuns:
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            for backend in installed_keras_backends()
+            for backend in (installed_keras_backends() if backends is None else backends)
         }
         self._runs: dict[str, dict[str, list[Any]]] = {}
 
@@ -88,7 +88,7 @@ class KerasRuns:
 
 
 def _keras_trajectory(case: Case, backend: str) -> np.ndarray:
-    return KerasRuns([case.name]).trajectory(case, backend)
+    return KerasRuns([case.name], [backend]).trajectory(case, backend)
 
 
 def trajectories(case: Case, keras: KerasRuns | None = None) -> Iterator[tuple[str, np.ndarray]]:

@@ -148,17 +148,15 @@ class _Contiguous:
         self.pairs: list[tuple[Tensor, Tensor]] = []
         self.lists = [
             self._contiguous(params),
-            grads if all(map(Tensor.is_contiguous, grads)) else [t.contiguous() for t in grads],
+            grads if _tensors.all_contiguous(grads) else [t.contiguous() for t in grads],
             *(self._contiguous(ts) for ts in state),
         ]
         # Whether every tensor was contiguous (none stands in for another).
         self.unchanged = not self.pairs and self.lists[1] is grads
 
     def _contiguous(self, ts: list[Tensor]) -> list[Tensor]:
-        # The common case, every tensor contiguous, in one pass without copies
-        # (map: no bytecode per tensor): the step's host cost is per tensor, and
-        # this runs for every list.
-        if all(map(Tensor.is_contiguous, ts)):
+        # The common case, every tensor contiguous: no copies.
+        if _tensors.all_contiguous(ts):
             return ts
         out = []
         for t in ts:

@@ -252,6 +252,12 @@ def local_shards(ts: list[Tensor]) -> list[Tensor]:
     return [local_shard(t) for t in ts]
 
 
+def all_contiguous(tensors: list[Tensor]) -> bool:
+    """Whether every tensor is contiguous (in one pass, no bytecode per tensor:
+    the fused steps ask it of every list on every step)."""
+    return all(map(Tensor.is_contiguous, tensors))
+
+
 def runs_triton(device: torch.device) -> bool:
     """Whether ``fused=True`` steps tensors on ``device`` with the Triton kernels:
     CUDA tensors, and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,

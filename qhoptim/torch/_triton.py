@@ -650,9 +650,8 @@ def known_layout(lists: list[list[Tensor]]) -> Layout | None:
     for ts in (params, *states):
         if tuple(map(Tensor.numel, ts)) != sizes:
             return None
-    for ts in lists:
-        if not all(map(Tensor.is_contiguous, ts)):
-            return None
+    if not all(map(_tensors.all_contiguous, lists)):
+        return None
     return found if _tensors.runs_triton(found.device) else None
 
 
