@@ -126,13 +126,43 @@ def _grad_multiplier(hp: Any, grad_scale: Tensor | None) -> float:
     return -inv_scale if hp.maximize else inv_scale
 
 
-def _decay(hp: Any, lr: float) -> tuple[float, float]:
+def _decay(lr: float, weight_decay: float, decoupled: bool) -> tuple[float, float]:
     """``(coupled weight decay, decoupled decay factor)`` (see ``rules.weight_decay_terms``)."""
-    if hp.weight_decay == 0:
+    if weight_decay == 0:
         return 0.0, 1.0
-    if hp.decoupled_weight_decay:
-        return 0.0, rules.decoupled_decay_factor(lr, hp.weight_decay)
-    return hp.weight_decay, 1.0
+    if decoupled:
+        return 0.0, rules.decoupled_decay_factor(lr, weight_decay)
+    return weight_decay, 1.0
+
+
+@functools.lru_cache(maxsize=64)
+def _qhm_terms(
+    lr: float, momentum: float, nu: float, weight_decay: float, decoupled: bool
+) -> tuple[float, ...]:
+    """The C++ QHM kernel's arguments after the gradient's multiplier: ``(coupled
+    weight decay, decoupled decay factor, the buffer's weight of the gradient,
+    the folded values)``, cached as :func:`_qhadam_terms`'s."""
+    c = rules.qhm_coefficients(momentum, nu)
+    return (*_decay(lr, weight_decay, decoupled), c.grad_to_buffer, *rules.fold_qhm(c, lr))
+
+
+@functools.lru_cache(maxsize=64)
+def _qhadam_terms(
+    lr: float, beta1: float, beta2: float, nu2: float, weight_decay: float, decoupled: bool
+) -> tuple[int, tuple[float, ...]]:
+    """The C++ QHAdam kernel's arguments that do not change with the step: the
+    denominator's form and ``(coupled weight decay, decoupled decay factor, the
+    moments' weights)``. Cached: a group's hyperparameters seldom change, and
+    each call into the rules is host time that the step waits for -- after a
+    step of a million values has pushed the interpreter out of the CPU's caches,
+    several times what it costs on a small one."""
+    w = rules.qhadam_moment_weights(beta1, beta2)
+    return _kernels.DENOMINATOR_FORMS[rules.qhadam_denominator(nu2)], (
+        *_decay(lr, weight_decay, decoupled),
+        w.grad_to_exp_avg,
+        w.exp_avg_sq_decay,
+        w.grad_sq_to_exp_avg_sq,
+    )
 
 
 class _Contiguous:
@@ -236,19 +266,10 @@ def fused_qhm(
                 continue
             if skipped(found_inf):
                 continue
-            lr = float(hp.lr)
-            coupled, decay = _decay(hp, lr)
-            c = rules.qhm_coefficients(hp.momentum, hp.nu)
-            buffer_value, grad_value = rules.fold_qhm(c, lr)
-            numbers = (
-                _grad_multiplier(hp, grad_scale),
-                coupled,
-                decay,
-                c.grad_to_buffer,
-                buffer_value,
-                grad_value,
-                seeds,
+            terms = _qhm_terms(
+                float(hp.lr), hp.momentum, hp.nu, hp.weight_decay, hp.decoupled_weight_decay
             )
+            numbers = (_grad_multiplier(hp, grad_scale), *terms, seeds)
             if _eight_bit(bufs):
                 cpu_extension().qhm8_(ps, gs, bufs, *numbers, *_ladders(signed=(True,)))
             else:
@@ -368,9 +389,12 @@ def _qhadam_group_(
         return
     if skipped(found_inf):
         return
-    _tensors.advance_counts(steps)
-    # One read of every count (each item() would cost a call per tensor).
-    numbers = torch.stack(steps).tolist() if steps else []
+    if runs_triton(device):
+        _tensors.advance_counts(steps)
+        # One read of every count (each item() would cost a call per tensor).
+        numbers = torch.stack(steps).tolist() if steps else []
+    else:  # counted and read in one call
+        numbers = cpu_extension().count_steps_(steps)
     _qhadam_numbers_(
         device, ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds, layout=layout, whole=whole
     )
@@ -455,8 +479,6 @@ def _qhadam_numbers_(
         )  # fmt: skip
         return
     lr = float(hp.lr)
-    coupled, decay = _decay(hp, lr)
-    w = rules.qhadam_moment_weights(hp.beta1, hp.beta2)
     # One fold per distinct step number (usually one for the whole list), as
     # Python numbers: one row of 5 for every tensor, else a row per tensor.
     folds = {
@@ -467,22 +489,11 @@ def _qhadam_numbers_(
         (coefficients,) = folds.values()
     else:
         coefficients = tuple(x for t in steps for x in folds[t])
-    arguments = (
-        ps,
-        gs,
-        ms,
-        ss,
-        vs[0] if vs else [],
-        coefficients,
-        _kernels.DENOMINATOR_FORMS[rules.qhadam_denominator(hp.nu2)],
-        _grad_multiplier(hp, grad_scale),
-        coupled,
-        decay,
-        w.grad_to_exp_avg,
-        w.exp_avg_sq_decay,
-        w.grad_sq_to_exp_avg_sq,
-        seeds,
+    form, terms = _qhadam_terms(
+        lr, hp.beta1, hp.beta2, hp.nu2, hp.weight_decay, hp.decoupled_weight_decay
     )
+    multiplier = _grad_multiplier(hp, grad_scale)
+    arguments = (ps, gs, ms, ss, vs[0] if vs else [], coefficients, form, multiplier, *terms, seeds)
     if _eight_bit(ms):  # the first moment signed, the second (and its maximum) not
         cpu_extension().qhadam8_(*arguments, *_ladders(signed=(True, False)))
     else:

@@ -1361,6 +1361,30 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   });
 }
 
+// Advance each step count by one, as torch's foreach addition of 1 would, and
+// return the new counts: the numbers the host folds QHAdam's coefficients
+// from. One call in place of an addition and a read of every count; every
+// count is checked before any moves, so that a refused list changes nothing.
+std::vector<double> count_steps_(const std::vector<at::Tensor>& counts) {
+  for (const auto& count : counts) {
+    TORCH_CHECK(count.device().is_cpu() && count.numel() == 1 &&
+                    (count.scalar_type() == at::kFloat || count.scalar_type() == at::kDouble),
+                "qhoptim fused: a step count must be a float32 or float64 CPU tensor of one "
+                "value");
+  }
+  std::vector<double> out;
+  out.reserve(counts.size());
+  for (const auto& count : counts) {
+    AT_DISPATCH_FLOATING_TYPES(count.scalar_type(), "count_steps_", [&] {
+      scalar_t* value = count.data_ptr<scalar_t>();
+      *value += scalar_t(1);
+      out.push_back(static_cast<double>(*value));
+    });
+    count.unsafeGetTensorImpl()->bump_version();  // an in-place change, as torch's
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qhm_", &qhm_, "One fused QHM step over a list of CPU tensors, in place.");
   m.def("qhadam_", &qhadam_, "One fused QHAdam step over a list of CPU tensors, in place.");
@@ -1370,4 +1394,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qhadam8_", &qhadam8_, "One fused QHAdam step of float32 CPU tensors with 8-bit moments.");
   m.def("stochastic_round_", &stochastic_round_,
         "Round a float32 CPU tensor to bfloat16 stochastically (qhoptim.rounding).");
+  m.def("count_steps_", &count_steps_,
+        "Add one to each step count (one-value CPU tensors); return the new counts.");
 }
