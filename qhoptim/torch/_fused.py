@@ -389,13 +389,13 @@ def _qhadam_group_(
         return
     if skipped(found_inf):
         return
-    if runs_triton(device):
-        _tensors.advance_counts(steps)
-        # One read of every count (each item() would cost a call per tensor).
-        numbers = torch.stack(steps).tolist() if steps else []
-    else:  # counted and read in one call
-        numbers = cpu_extension().count_steps_(steps)
-    _qhadam_numbers_(
+    if not runs_triton(device):  # the C++ kernel; the counts advanced and read in one call
+        _cpu_qhadam_(ps, gs, ms, ss, vs, cpu_extension().count_steps_(steps), hp, grad_scale, seeds)
+        return
+    _tensors.advance_counts(steps)
+    # One read of every count (each item() would cost a call per tensor).
+    numbers = torch.stack(steps).tolist() if steps else []
+    _triton_qhadam_(
         device, ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds, layout=layout, whole=whole
     )
 
@@ -462,22 +462,52 @@ def _qhadam_numbers_(
     hp: _tensors.QHAdamHyperparameters,
     grad_scale: Tensor | None,
     seeds: Tensor,
+) -> None:
+    """One group's step whose step numbers ``steps`` the host has: the Triton
+    kernel's (CUDA), or the C++ kernel's (CPU). ``vs`` is ``[max_exp_avg_sqs]``
+    with amsgrad, else ``[]``; ``seeds`` see :func:`_seed_table`."""
+    if runs_triton(device):
+        _triton_qhadam_(device, ps, gs, ms, ss, vs, steps, hp, grad_scale, seeds)
+    else:
+        _cpu_qhadam_(ps, gs, ms, ss, vs, steps, hp, grad_scale, seeds)
+
+
+def _triton_qhadam_(
+    device: torch.device,
+    ps: list[Tensor],
+    gs: list[Tensor],
+    ms: list[Tensor],
+    ss: list[Tensor],
+    vs: list[list[Tensor]],
+    steps: list[float],
+    hp: _tensors.QHAdamHyperparameters,
+    grad_scale: Tensor | None,
+    seeds: Tensor,
     *,
     layout: Any = None,
     whole: bool = False,
 ) -> None:
-    """One group's step whose step numbers ``steps`` the host has: the Triton
-    kernel's (CUDA), or the C++ kernel's (CPU). ``vs`` is ``[max_exp_avg_sqs]``
-    with amsgrad, else ``[]``; ``seeds`` see :func:`_seed_table`; ``layout``
-    and ``whole`` see :func:`qhoptim.torch._triton.qhm_`."""
-    if runs_triton(device):
-        max_exp_avg_sqs = vs[0] if vs else None
-        _triton().qhadam_(
-            ps, gs, ms, ss, max_exp_avg_sqs, steps, hp, grad_scale=grad_scale, found_inf=None,
-            seeds=seeds if seeds.numel() else None, levels=_device_ladders(ms, device),
-            layout=layout, whole=whole,
-        )  # fmt: skip
-        return
+    """:func:`_qhadam_numbers_`'s Triton kernel; ``layout`` and ``whole`` see
+    :func:`qhoptim.torch._triton.qhm_`."""
+    _triton().qhadam_(
+        ps, gs, ms, ss, vs[0] if vs else None, steps, hp, grad_scale=grad_scale, found_inf=None,
+        seeds=seeds if seeds.numel() else None, levels=_device_ladders(ms, device),
+        layout=layout, whole=whole,
+    )  # fmt: skip
+
+
+def _cpu_qhadam_(
+    ps: list[Tensor],
+    gs: list[Tensor],
+    ms: list[Tensor],
+    ss: list[Tensor],
+    vs: list[list[Tensor]],
+    steps: list[float],
+    hp: _tensors.QHAdamHyperparameters,
+    grad_scale: Tensor | None,
+    seeds: Tensor,
+) -> None:
+    """:func:`_qhadam_numbers_`'s C++ kernel."""
     lr = float(hp.lr)
     # One fold per distinct step number (usually one for the whole list), as
     # Python numbers: one row of 5 for every tensor, else a row per tensor.
