@@ -211,6 +211,9 @@ class QHAdam(QHOptimizer):
         if not params:  # a frozen group: no gradient, nothing to step
             return
         moments = [exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if group["amsgrad"] else [])]
+        if group.get("state_dtype") is None:  # the common case, at the least host work
+            self._qhadam(group, params, grads, moments, state_steps, None)
+            return
         self._step_lists(
             group,
             params,

@@ -147,12 +147,11 @@ class QHM(MomentumBufferState, QHOptimizer):
         self._init_group(group, params, grads, momentum_buffers)
         if not params:  # a frozen group: no gradient, nothing to step
             return
-        # The step counts of narrow states (the rounding's seed); none are read
-        # (nor looked up, on the step's hot path) without a state_dtype.
-        if group.get("state_dtype") is None:
-            steps: list[Any] = [None] * len(params)
-        else:
-            steps = [self.state[p].get("step") for p in params]
+        if group.get("state_dtype") is None:  # the common case, at the least host work
+            self._qhm(group, params, grads, momentum_buffers, None)
+            return
+        # The step counts of narrow states: the rounding's seed.
+        steps = [self.state[p].get("step") for p in params]
         self._step_lists(
             group,
             params,

@@ -428,6 +428,22 @@ def test_a_second_installation_loads_the_first_ones_build() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_which_kernel_follows_triton_interpret_as_set_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPU tensors take the Triton kernels under Triton's interpreter only, read
+    # from the environment on every step (tests switch it within one process).
+    from qhoptim.torch._tensors import runs_triton
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert runs_triton(cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not runs_triton(cpu)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not runs_triton(cpu) and runs_triton(torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not runs_triton(torch.device("meta"))
+
+
 def test_counting_steps_advances_every_count_or_none() -> None:
     # QHAdam's fused CPU step advances its step counts and reads them in one
     # call: as torch's foreach addition of one would (the sum in the count's
