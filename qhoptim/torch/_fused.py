@@ -29,6 +29,7 @@ on the host). Low-precision parameters are computed in float32.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from typing import Any, cast
 
@@ -176,6 +177,11 @@ class _Contiguous:
 
     def __init__(self, params: list[Tensor], grads: list[Tensor], *state: list[Tensor]) -> None:
         self.pairs: list[tuple[Tensor, Tensor]] = []
+        if all(map(Tensor.is_contiguous, itertools.chain(params, grads, *state))):
+            # The common case, every tensor contiguous: no copies, and one pass.
+            self.lists = [params, grads, *state]
+            self.unchanged = True
+            return
         self.lists = [
             self._contiguous(params),
             grads if _tensors.all_contiguous(grads) else [t.contiguous() for t in grads],
