@@ -36,6 +36,10 @@ ALLOWED: dict[str, str] = {
     "torch.optim.optimizer.Optimizer._group_tensors_by_device_and_dtype": (
         "C++ grouping by device and dtype; a Python one with its checks slows the step"
     ),
+    "torch._C": (
+        "its _group_tensors_by_device_and_dtype alone: the same grouping outside "
+        "torch.compile, without a no_grad context per step"
+    ),
     "._optimizer_load_state_dict_pre_hooks": (
         "the load pre-hooks run before qhoptim's checks; torch has no public accessor"
     ),
