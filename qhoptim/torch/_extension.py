@@ -218,6 +218,13 @@ def _builder_lock(build_directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def loaded_cpu_extension() -> Any | None:
+    """The extension where this process has it already (built or loaded by an
+    earlier call), else None: for host work it speeds up that must never wait
+    for a build."""
+    return cpu_extension() if cpu_extension.cache_info().currsize else None
+
+
 @functools.cache
 def cpu_kernel_available() -> bool:
     """Whether the fused CPU kernel can be had (built, or loaded from the disk cache).

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from qhoptim import rounding, rules
 from qhoptim.torch import _kernels, _state_dtype, _tensors
-from qhoptim.torch._extension import cpu_extension, cpu_kernel_available
+from qhoptim.torch._extension import cpu_extension, cpu_kernel_available, loaded_cpu_extension
 from qhoptim.torch._tensors import (
     group_by_device_and_dtype,
     local_shard,
@@ -395,15 +395,31 @@ def _qhadam_group_(
         return
     if skipped(found_inf):
         return
-    if not runs_triton(device):  # the C++ kernel; the counts advanced and read in one call
-        _cpu_qhadam_(ps, gs, ms, ss, vs, cpu_extension().count_steps_(steps), hp, grad_scale, seeds)
+    numbers = counted(steps)
+    if not runs_triton(device):
+        _cpu_qhadam_(ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds)
         return
-    _tensors.advance_counts(steps)
-    # One read of every count (each item() would cost a call per tensor).
-    numbers = torch.stack(steps).tolist() if steps else []
     _triton_qhadam_(
         device, ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds, layout=layout, whole=whole
     )
+
+
+def counted(counts: list[Tensor]) -> list[float]:
+    """Add one to each step count (one-value tensors of one device) and return
+    the new counts: in one C++ call where the fused CPU kernel's extension is
+    loaded and the counts are float CPU tensors, else by torch's multi-tensor
+    addition and one read of them all (an addition and an ``item()`` per count
+    would each cost a torch call per tensor). Under ``torch.compile`` the
+    counts' values are the tensors themselves (:func:`_tensors.value_of`)."""
+    if torch.compiler.is_compiling():
+        _tensors.advance_counts(counts)
+        return [_tensors.value_of(c) for c in counts]
+    extension = loaded_cpu_extension()
+    values = None if extension is None else extension.count_steps_(counts)
+    if values is None:
+        _tensors.advance_counts(counts)
+        values = torch.stack(counts).tolist() if counts else []
+    return cast(list[float], values)
 
 
 def _whole(

@@ -12,6 +12,7 @@ It stands on the layers below (``_tensors``, ``_state_dtype``, ``_fused``,
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict, TypeVar, cast
@@ -27,11 +28,10 @@ from qhoptim import validation
 from qhoptim.torch import _extension, _fused, _state_dtype
 from qhoptim.torch._state_dict import check_state_dict
 from qhoptim.torch._tensors import (
-    advance_counts,
     copy_count,
     runs_triton,
     scalar_dtype,
-    value_of,
+    values_of,
 )
 
 _TORCH_FLAGS = {
@@ -251,8 +251,10 @@ class NarrowStateOptimizer(Optimizer):
         if not at:
             return
         ps, gs, lists, counts = _take(at, params, grads, state_lists, steps)
-        everything = (q for g in self.param_groups for q in g["params"])
-        position = {p: i for i, p in enumerate(everything)}
+        # Each parameter's place in the optimizer, by id: built and read at C
+        # speed (a tensor's hash is a Python call).
+        everything = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        position = dict(zip(map(id, everything), itertools.count()))
         # On working copies each run steps from copies of its tensors' counts (a
         # large tensor's slices each step once); a count then takes the value
         # its copies reached. QHM's counts are advanced here.
@@ -273,8 +275,8 @@ class NarrowStateOptimizer(Optimizer):
             gs,
             lists,
             step,
-            steps=[value_of(c) + 1 for c in counts],
-            positions=[position[p] for p in ps],
+            steps=[value + 1 for value in values_of(counts)],
+            positions=list(map(position.__getitem__, map(id, ps))),
             fused=bool(group.get("fused")) or self._narrow_state_in_kernel(ps, whole_tensors),
             state_dtype=group["state_dtype"],
             stochastic_rounding=group.get("stochastic_rounding"),
@@ -282,9 +284,8 @@ class NarrowStateOptimizer(Optimizer):
             whole_tensors=whole_tensors,
         )
         # A step GradScaler skipped (an inf or NaN gradient) leaves QHM's counts.
-        # All at once: one addition per count costs a torch call per parameter.
         if count_steps and not _fused.skipped(self._amp_tensors()["found_inf"]):
-            advance_counts(counts)
+            _fused.counted(counts)
         else:
             for i, copy in reached.items():
                 counts[i].copy_(copy)

@@ -543,13 +543,14 @@ def _multi_tensor_qhadam(
     for lists, _ in grouped.values():
         ps, gs, ms, ss, steps, *vs = (cast(list[Tensor], x) for x in lists)
         # The step counts live on the CPU unless capturable.
-        _tensors.advance_counts(steps)
+        if on_device:
+            _tensors.advance_counts(steps)
         _kernels.qhadam_(
             ps,
             gs,
             ms,
             ss,
-            steps if on_device else [value_of(t) for t in steps],
+            steps if on_device else _fused.counted(steps),
             hp,
             max_exp_avg_sqs=vs[0] if vs else None,
         )

@@ -82,6 +82,18 @@ def copy_count(count: Any) -> Any:
     return count.clone() if isinstance(count, Tensor) else count
 
 
+def values_of(counts: Sequence[Any]) -> list[Any]:
+    """:func:`value_of` of each step count: in eager mode one read of them all
+    where they are tensors that stack (an ``item()`` each costs a torch call
+    per count)."""
+    if counts and not torch.compiler.is_compiling() and all(isinstance(c, Tensor) for c in counts):
+        try:
+            return torch.stack(list(counts)).tolist()
+        except RuntimeError:  # counts on different devices: one read each
+            pass
+    return [value_of(c) for c in counts]
+
+
 def scalar_dtype() -> torch.dtype:
     """The dtype of a new (non-fused) step count: float64 under a float64 default
     dtype, else float32 (as torch's ``_get_scalar_dtype``)."""

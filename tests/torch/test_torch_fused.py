@@ -445,9 +445,10 @@ def test_which_kernel_follows_triton_interpret_as_set_now(monkeypatch: pytest.Mo
 
 
 def test_counting_steps_advances_every_count_or_none() -> None:
-    # QHAdam's fused CPU step advances its step counts and reads them in one
-    # call: as torch's foreach addition of one would (the sum in the count's
-    # dtype, its version bumped), or, on a count it refuses, not at all.
+    # The fused CPU step advances its step counts and reads them in one call:
+    # as torch's foreach addition of one would (the sum in the count's dtype,
+    # its version bumped), or, on a list with a count it cannot take, not at
+    # all (None: the caller counts with torch's operations).
     from qhoptim.torch._extension import cpu_extension
 
     counts = [torch.tensor(3.0), torch.tensor(0.0, dtype=F64), torch.tensor(2.0**24)]
@@ -459,9 +460,17 @@ def test_counting_steps_advances_every_count_or_none() -> None:
     assert [t._version for t in counts] == [v + 1 for v in versions]
     for bad in (torch.tensor(1), torch.zeros(2), torch.tensor(1.0, dtype=torch.bfloat16)):
         counts = [torch.tensor(5.0), bad.clone()]
-        with pytest.raises(RuntimeError, match="step count"):
-            cpu_extension().count_steps_(counts)
+        assert cpu_extension().count_steps_(counts) is None
         assert counts[0].item() == 5.0 and torch.equal(counts[1], bad)
+    # What the steps call: the same counts either way, whichever adds them.
+    from qhoptim.torch import _fused
+
+    for counts in (
+        [torch.tensor(2.0), torch.tensor(7.0, dtype=F64)],
+        [torch.tensor(3.0, dtype=torch.float16)],  # torch's operations
+    ):
+        expected = [t.item() + 1 for t in counts]
+        assert _fused.counted(counts) == expected == [t.item() for t in counts]
 
 
 def test_changing_lr_never_rebuilds_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -1363,14 +1364,17 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
 
 // Advance each step count by one, as torch's foreach addition of 1 would, and
 // return the new counts: the numbers the host folds QHAdam's coefficients
-// from. One call in place of an addition and a read of every count; every
-// count is checked before any moves, so that a refused list changes nothing.
-std::vector<double> count_steps_(const std::vector<at::Tensor>& counts) {
+// and the rounding's seeds from. One call in place of a torch call per count
+// (torch's multi-tensor addition takes its slow path on one-value tensors).
+// Counts that are not all float32 or float64 one-value CPU tensors are left
+// as they are and nullopt returned (None in Python): the caller counts them
+// with torch's operations.
+std::optional<std::vector<double>> count_steps_(const std::vector<at::Tensor>& counts) {
   for (const auto& count : counts) {
-    TORCH_CHECK(count.device().is_cpu() && count.numel() == 1 &&
-                    (count.scalar_type() == at::kFloat || count.scalar_type() == at::kDouble),
-                "qhoptim fused: a step count must be a float32 or float64 CPU tensor of one "
-                "value");
+    if (!(count.device().is_cpu() && count.numel() == 1 &&
+          (count.scalar_type() == at::kFloat || count.scalar_type() == at::kDouble))) {
+      return std::nullopt;
+    }
   }
   std::vector<double> out;
   out.reserve(counts.size());
@@ -1395,5 +1399,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stochastic_round_", &stochastic_round_,
         "Round a float32 CPU tensor to bfloat16 stochastically (qhoptim.rounding).");
   m.def("count_steps_", &count_steps_,
-        "Add one to each step count (one-value CPU tensors); return the new counts.");
+        "Add one to each step count (float one-value CPU tensors) and return the new "
+        "counts; None, changing nothing, for any other list.");
 }
