@@ -60,11 +60,13 @@ __all__ = [
     "eight_bit_encode_reference",
     "eight_bit_levels",
     "eight_bit_value",
+    "index_spread",
     "mix32",
     "noise16",
     "round_bits",
     "rounding_seed",
     "rounding_seed_of_mixed_step",
+    "rounding_seed_of_spread",
     "state_index",
     "stochastic",
     "stochastic_round_reference",
@@ -144,7 +146,18 @@ def rounding_seed(step: Any, index: Any, bits: Bits = PYTHON) -> Any:
 def rounding_seed_of_mixed_step(mixed_step: Any, index: Any, bits: Bits = PYTHON) -> Any:
     """:func:`rounding_seed` from ``mix32(step)``, the half of it that every state
     of a step shares: a backend mixes a step number once for all its states."""
-    spread = bits.wrap(index * bits.const(INDEX_MULTIPLIER))
+    return rounding_seed_of_spread(mixed_step, index_spread(index, bits), bits)
+
+
+def index_spread(index: Any, bits: Bits = PYTHON) -> Any:
+    """The half of :func:`rounding_seed` that a state index alone makes; a
+    backend may keep it from step to step."""
+    return bits.wrap(index * bits.const(INDEX_MULTIPLIER))
+
+
+def rounding_seed_of_spread(mixed_step: Any, spread: Any, bits: Bits = PYTHON) -> Any:
+    """:func:`rounding_seed` from both halves, ``mix32(step)`` and
+    :func:`index_spread` of the state's index."""
     return mix32(mixed_step ^ spread, bits)
 
 

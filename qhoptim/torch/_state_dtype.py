@@ -29,6 +29,8 @@ copies and encoded back with the same noise.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,6 +68,8 @@ CHUNK_VALUES = 1 << 22
 NOISE_VALUES = 1 << 20
 
 _MASK32 = (1 << 32) - 1
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 # torch has no uint32 arithmetic: values below 2**32 in int64, products
 # wrapped back (an int64 product past 2**63 wraps too; its low 32 bits are exact).
 _INT64_BITS = rounding.Bits(wrap=lambda x: x & _MASK32)
@@ -116,9 +120,10 @@ def in_fused_kernel(
     (CUDA, or CPU under Triton's interpreter)."""
     if not (fused and stochastic_rounding is not False and params):
         return False
-    if not all(p.dtype == torch.float32 for p in params):
+    # At C speed: this is asked of every parameter on every step.
+    if not all(map(operator.is_, map(_DTYPE, params), itertools.repeat(torch.float32))):
         return False
-    devices = {p.device for p in params}
+    devices = set(map(_DEVICE, params))
     if all(runs_triton(d) for d in devices) or all(d.type == "cpu" for d in devices):
         return state_dtype in (torch.bfloat16, torch.uint8)
     return False
@@ -156,12 +161,24 @@ def state_seeds(
             ]
             for step, position in zip(steps, positions, strict=True)
         ]
-    step_mix = torch.tensor([mixed[t] for t in steps], dtype=torch.int64)[:, None]
+    if len(mixed) == 1:  # one step number for all: a number beside the table
+        (step_mix,) = mixed.values()
+    else:
+        step_mix = torch.tensor([mixed[t] for t in steps], dtype=torch.int64)[:, None]
+    spread = _index_spreads(tuple(positions), states)
+    seeds = rounding.rounding_seed_of_spread(step_mix, spread, _INT64_BITS)
+    return seeds.tolist()  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=8)
+def _index_spreads(positions: tuple[int, ...], states: int) -> Tensor:
+    """:func:`qhoptim.rounding.index_spread` of each parameter's states (int64
+    ``[n, states]``), kept from step to step for the same parameters: a step's
+    seeds then cost the mix alone (this table took about a third of them)."""
     index = rounding.state_index(
         torch.tensor(positions, dtype=torch.int64)[:, None], torch.arange(states)
     )
-    seeds = rounding.rounding_seed_of_mixed_step(step_mix, index & _MASK32, _INT64_BITS)
-    return seeds.tolist()  # type: ignore[no-any-return]
+    return rounding.index_spread(index & _MASK32, _INT64_BITS)  # type: ignore[no-any-return]
 
 
 def hash32(seed: int, start: int, stop: int, device: torch.device) -> Tensor:

@@ -275,6 +275,17 @@ def test_the_seeds_of_many_parameters_are_the_rules_seeds() -> None:
         assert _state_dtype.state_seeds(steps, positions, states) == want
         few = _state_dtype.VECTOR_SEEDS - 1
         assert _state_dtype.state_seeds(steps[:few], positions[:few], states) == want[:few]
+        # One step number for every parameter (the usual step), twice: the
+        # positions' half of the seeds is kept between calls, and stays as made.
+        for t in (steps[4], 9.0):
+            want = [
+                [
+                    int(rounding.rounding_seed(int(t) & mask, rounding.state_index(p, k) & mask))
+                    for k in range(states)
+                ]
+                for p in positions
+            ]
+            assert _state_dtype.state_seeds([t] * n, positions, states) == want
 
 
 def test_positions_past_two_to_the_32_draw_the_same_noise_in_both_roundings(
