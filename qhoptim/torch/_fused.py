@@ -310,15 +310,21 @@ def _ladders(signed: tuple[bool, ...]) -> tuple[Any, ...]:
 
 def _seed_table(
     state_seeds: list[list[int]] | None, indices: list[int], device: torch.device
-) -> Tensor:
-    """The kernels' ``seeds`` for the tensors at ``indices``: int64 ``[n, 3]``
-    (on the device, for the Triton kernels), or empty for a state of the
-    parameters' dtype."""
+) -> Tensor | list[int]:
+    """The kernels' ``seeds`` for the tensors at ``indices``: for the Triton
+    kernels an int64 ``[n, 3]`` tensor on the device (empty for a state of the
+    parameters' dtype); for the C++ kernel the numbers themselves, flat, as
+    many per tensor as it has states (none for a state of the parameters'
+    dtype) -- a list passes to it at no cost, where a tensor would be made on
+    every step."""
+    if not runs_triton(device):
+        if state_seeds is None:
+            return []
+        return list(itertools.chain.from_iterable(map(state_seeds.__getitem__, indices)))
     if state_seeds is None:
         return _NO_SEEDS
     rows = [[*state_seeds[i], 0, 0, 0][:3] for i in indices]
-    table = torch.tensor(rows, dtype=torch.int64)
-    return table.to(device) if runs_triton(device) else table
+    return torch.tensor(rows, dtype=torch.int64).to(device)
 
 
 def fused_qhadam(
@@ -377,7 +383,7 @@ def _qhadam_group_(
     hp: _tensors.QHAdamHyperparameters,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
-    seeds: Tensor,
+    seeds: Tensor | list[int],
     capturable: bool,
     *,
     layout: Any = None,
@@ -483,7 +489,7 @@ def _qhadam_numbers_(
     steps: list[float],
     hp: _tensors.QHAdamHyperparameters,
     grad_scale: Tensor | None,
-    seeds: Tensor,
+    seeds: Tensor | list[int],
 ) -> None:
     """One group's step whose step numbers ``steps`` the host has: the Triton
     kernel's (CUDA), or the C++ kernel's (CPU). ``vs`` is ``[max_exp_avg_sqs]``
@@ -504,7 +510,7 @@ def _triton_qhadam_(
     steps: list[float],
     hp: _tensors.QHAdamHyperparameters,
     grad_scale: Tensor | None,
-    seeds: Tensor,
+    seeds: Tensor | list[int],
     *,
     layout: Any = None,
     whole: bool = False,
@@ -513,7 +519,7 @@ def _triton_qhadam_(
     :func:`qhoptim.torch._triton.qhm_`."""
     _triton().qhadam_(
         ps, gs, ms, ss, vs[0] if vs else None, steps, hp, grad_scale=grad_scale, found_inf=None,
-        seeds=seeds if seeds.numel() else None, levels=_device_ladders(ms, device),
+        seeds=seeds if cast(Tensor, seeds).numel() else None, levels=_device_ladders(ms, device),
         layout=layout, whole=whole,
     )  # fmt: skip
 
@@ -527,7 +533,7 @@ def _cpu_qhadam_(
     steps: list[float],
     hp: _tensors.QHAdamHyperparameters,
     grad_scale: Tensor | None,
-    seeds: Tensor,
+    seeds: Tensor | list[int],
 ) -> None:
     """:func:`_qhadam_numbers_`'s C++ kernel."""
     lr = float(hp.lr)

@@ -151,6 +151,11 @@ def state_seeds(
     for many parameters, on int64 tensors."""
     # Each step number mixed once (a step's parameters usually share one).
     mixed = {t: rounding.mix32(int(t) & _MASK32) for t in set(steps)}
+    extension = _extension.loaded_cpu_extension()
+    if len(mixed) == 1 and extension is not None:  # the fused CPU kernel's own hash
+        (step_mix,) = mixed.values()
+        spreads = _index_spread_list(tuple(positions), states)
+        return extension.rounding_seeds_(step_mix, spreads, states)  # type: ignore[no-any-return]
     if len(steps) < VECTOR_SEEDS:
         return [
             [
@@ -168,6 +173,17 @@ def state_seeds(
     spread = _index_spreads(tuple(positions), states)
     seeds = rounding.rounding_seed_of_spread(step_mix, spread, _INT64_BITS)
     return seeds.tolist()  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=8)
+def _index_spread_list(positions: tuple[int, ...], states: int) -> list[int]:
+    """:func:`_index_spreads` as Python ints, flat (``states`` per parameter),
+    for the fused CPU kernel's ``rounding_seeds_``."""
+    return [
+        rounding.index_spread(rounding.state_index(position, k) & _MASK32)
+        for position in positions
+        for k in range(states)
+    ]
 
 
 @functools.lru_cache(maxsize=8)

@@ -253,11 +253,21 @@ def test_both_roundings_are_the_rule_every_backend_follows(
     assert torch.equal(tail, whole[2000:])
 
 
-def test_the_seeds_of_many_parameters_are_the_rules_seeds() -> None:
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpu-kernel"])
+def test_the_seeds_of_many_parameters_are_the_rules_seeds(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # From VECTOR_SEEDS parameters on, a step's seeds are computed as int64
-    # tensors, below it one by one in Python: both are qhoptim.rounding's
-    # seeds, for step numbers and positions past 32 bits too (taken modulo
-    # 2**32), and for each number of states a parameter has.
+    # tensors, below it one by one in Python, and where the fused CPU kernel
+    # is loaded and the step number is one, by its own hash: each is
+    # qhoptim.rounding's seeds, for step numbers and positions past 32 bits too
+    # (taken modulo 2**32), and for each number of states a parameter has.
+    from qhoptim.torch import _extension
+
+    if kernel:
+        _extension.cpu_extension()  # loaded
+    else:
+        monkeypatch.setattr(_extension, "loaded_cpu_extension", lambda: None)
     mask = (1 << 32) - 1
     n = _state_dtype.VECTOR_SEEDS + 5
     steps = [float(t) for t in range(1, n + 1)]

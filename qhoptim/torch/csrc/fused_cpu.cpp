@@ -360,20 +360,22 @@ void qhadam_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_av
   });
 }
 
-// The seeds of a bfloat16 state's rounding: `seeds` is an int64 tensor [n, 3]
-// (one per state list and tensor, as qhoptim.torch._state_dtype.rounding_seed
-// makes them), or empty for a state of the parameters' dtype.
-std::vector<uint32_t> seed_table(const at::Tensor& seeds, size_t n) {
+// The seeds of a narrow state's rounding: `seeds` holds k per tensor (k = 1,
+// 2 or 3: one per state list, as qhoptim.torch._state_dtype.state_seeds makes
+// them), flat, or nothing for a state of the parameters' dtype; the table
+// has three per tensor, zeros past k.
+std::vector<uint32_t> seed_table(const std::vector<int64_t>& seeds, size_t n) {
   std::vector<uint32_t> out(3 * n, 0);
-  if (seeds.numel() == 0) {
+  if (seeds.empty()) {
     return out;
   }
-  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.is_contiguous() &&
-                  seeds.numel() == static_cast<int64_t>(n) * 3,
-              "qhoptim fused: seeds must be a contiguous int64 tensor [n, 3]");
-  const int64_t* s = seeds.data_ptr<int64_t>();
-  for (size_t i = 0; i < 3 * n; ++i) {
-    out[i] = static_cast<uint32_t>(s[i]);
+  const size_t k = n == 0 ? 0 : seeds.size() / n;
+  TORCH_CHECK(n > 0 && k >= 1 && k <= 3 && seeds.size() == k * n,
+              "qhoptim fused: seeds must hold 1, 2 or 3 numbers per tensor, flat");
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < k; ++j) {
+      out[3 * i + j] = static_cast<uint32_t>(seeds[k * i + j]);
+    }
   }
   return out;
 }
@@ -393,8 +395,8 @@ size_t coefficient_row(const std::vector<double>& coefficients, size_t n) {
 void qhm_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
           std::vector<at::Tensor> momentum_buffers, double grad_multiplier,
           double coupled_weight_decay, double decay_factor, double grad_to_buffer,
-          double buffer_value, double grad_value, at::Tensor seeds) {
-  const bool narrow = seeds.numel() > 0;
+          double buffer_value, double grad_value, const std::vector<int64_t>& seeds) {
+  const bool narrow = !seeds.empty();
   check_lists(params, grads, {momentum_buffers}, narrow);
   TORCH_CHECK(!narrow || std::all_of(params.begin(), params.end(),
                                      [](const at::Tensor& p) { return p.scalar_type() == at::kFloat; }),
@@ -422,9 +424,10 @@ void qhadam_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
              std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
              std::vector<at::Tensor> max_exp_avg_sqs, std::vector<double> coefficients,
              int64_t form, double grad_multiplier, double coupled_weight_decay, double decay_factor,
-             double exp_avg_lerp, double beta2, double one_minus_beta2, at::Tensor seeds) {
+             double exp_avg_lerp, double beta2, double one_minus_beta2,
+             const std::vector<int64_t>& seeds) {
   const bool amsgrad = !max_exp_avg_sqs.empty();
-  const bool narrow = seeds.numel() > 0;
+  const bool narrow = !seeds.empty();
   if (amsgrad) {
     check_lists(params, grads, {exp_avgs, exp_avg_sqs, max_exp_avg_sqs}, narrow);
   } else {
@@ -1276,8 +1279,8 @@ void for_each_float32_param(std::vector<at::Tensor>& params, const std::vector<a
 void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
            std::vector<at::Tensor> momentum_buffers, double grad_multiplier,
            double coupled_weight_decay, double decay_factor, double grad_to_buffer,
-           double buffer_value, double grad_value, at::Tensor seeds, at::Tensor levels_signed,
-           int64_t per_octave) {
+           double buffer_value, double grad_value, const std::vector<int64_t>& seeds,
+           at::Tensor levels_signed, int64_t per_octave) {
   check_float32_params(params, grads, {momentum_buffers});
   const std::vector<uint32_t> seed = seed_table(seeds, params.size());
   const Ladder ladder = ladder_of(levels_signed, per_octave);
@@ -1304,8 +1307,9 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
               std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
               std::vector<at::Tensor> max_exp_avg_sqs, std::vector<double> coefficients,
               int64_t form, double grad_multiplier, double coupled_weight_decay, double decay_factor,
-              double exp_avg_lerp, double beta2, double one_minus_beta2, at::Tensor seeds,
-              at::Tensor levels_signed, at::Tensor levels_unsigned, int64_t per_octave) {
+              double exp_avg_lerp, double beta2, double one_minus_beta2,
+              const std::vector<int64_t>& seeds, at::Tensor levels_signed,
+              at::Tensor levels_unsigned, int64_t per_octave) {
   const bool amsgrad = !max_exp_avg_sqs.empty();
   if (amsgrad) {
     check_float32_params(params, grads, {exp_avgs, exp_avg_sqs, max_exp_avg_sqs});
@@ -1389,6 +1393,27 @@ std::optional<std::vector<double>> count_steps_(const std::vector<at::Tensor>& c
   return out;
 }
 
+// A step's rounding seeds, qhoptim.rounding.rounding_seed_of_spread: the
+// step's mix `mixed_step` (mix32 of its number) with each state's spread
+// (rounding.index_spread of its index, `states` per parameter, flat), mixed
+// by the same hash the noise uses (hash32_of_key(seed, key) is
+// mix32(key ^ seed)). One row of `states` seeds per parameter.
+std::vector<std::vector<int64_t>> rounding_seeds_(int64_t mixed_step,
+                                                  const std::vector<int64_t>& spreads,
+                                                  int64_t states) {
+  TORCH_CHECK(states >= 1 && spreads.size() % static_cast<size_t>(states) == 0,
+              "qhoptim rounding_seeds_: spreads must hold `states` numbers per parameter");
+  const size_t k = static_cast<size_t>(states);
+  std::vector<std::vector<int64_t>> rows(spreads.size() / k, std::vector<int64_t>(k));
+  const uint32_t mixed = static_cast<uint32_t>(mixed_step);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (size_t j = 0; j < k; ++j) {
+      rows[i][j] = hash32_of_key(mixed, static_cast<uint32_t>(spreads[k * i + j]));
+    }
+  }
+  return rows;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qhm_", &qhm_, "One fused QHM step over a list of CPU tensors, in place.");
   m.def("qhadam_", &qhadam_, "One fused QHAdam step over a list of CPU tensors, in place.");
@@ -1398,6 +1423,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qhadam8_", &qhadam8_, "One fused QHAdam step of float32 CPU tensors with 8-bit moments.");
   m.def("stochastic_round_", &stochastic_round_,
         "Round a float32 CPU tensor to bfloat16 stochastically (qhoptim.rounding).");
+  m.def("rounding_seeds_", &rounding_seeds_,
+        "A step's rounding seeds from its mixed step number and the states' spreads.");
   m.def("count_steps_", &count_steps_,
         "Add one to each step count (float one-value CPU tensors) and return the new "
         "counts; None, changing nothing, for any other list.");
