@@ -401,12 +401,8 @@ def _qhadam_group_(
         return
     if skipped(found_inf):
         return
-    numbers = counted(steps)
-    if not runs_triton(device):
-        _cpu_qhadam_(ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds)
-        return
-    _triton_qhadam_(
-        device, ps, gs, ms, ss, vs, numbers, hp, grad_scale, seeds, layout=layout, whole=whole
+    _qhadam_numbers_(
+        device, lists, counted(steps), hp, grad_scale, seeds, layout=layout, whole=whole
     )
 
 
@@ -474,39 +470,14 @@ def fused_qhadam_host_steps(
     by = None if state_seeds is None else 2  # a bfloat16 state: group by params and grads
     for device, (*lists, indices) in _groups_with_indices(tensorlists, by=by):
         seeds = _seed_table(state_seeds, indices, device)
-        with _Contiguous(*lists) as (ps, gs, ms, ss, *vs):
+        with _Contiguous(*lists) as contiguous_lists:
             numbers = [steps[i] for i in indices]
-            _qhadam_numbers_(device, ps, gs, ms, ss, vs, numbers, hp, None, seeds)
+            _qhadam_numbers_(device, contiguous_lists, numbers, hp, None, seeds)
 
 
 def _qhadam_numbers_(
     device: torch.device,
-    ps: list[Tensor],
-    gs: list[Tensor],
-    ms: list[Tensor],
-    ss: list[Tensor],
-    vs: list[list[Tensor]],
-    steps: list[float],
-    hp: _tensors.QHAdamHyperparameters,
-    grad_scale: Tensor | None,
-    seeds: Tensor | list[int],
-) -> None:
-    """One group's step whose step numbers ``steps`` the host has: the Triton
-    kernel's (CUDA), or the C++ kernel's (CPU). ``vs`` is ``[max_exp_avg_sqs]``
-    with amsgrad, else ``[]``; ``seeds`` see :func:`_seed_table`."""
-    if runs_triton(device):
-        _triton_qhadam_(device, ps, gs, ms, ss, vs, steps, hp, grad_scale, seeds)
-    else:
-        _cpu_qhadam_(ps, gs, ms, ss, vs, steps, hp, grad_scale, seeds)
-
-
-def _triton_qhadam_(
-    device: torch.device,
-    ps: list[Tensor],
-    gs: list[Tensor],
-    ms: list[Tensor],
-    ss: list[Tensor],
-    vs: list[list[Tensor]],
+    lists: list[list[Tensor]],
     steps: list[float],
     hp: _tensors.QHAdamHyperparameters,
     grad_scale: Tensor | None,
@@ -515,27 +486,19 @@ def _triton_qhadam_(
     layout: Any = None,
     whole: bool = False,
 ) -> None:
-    """:func:`_qhadam_numbers_`'s Triton kernel; ``layout`` and ``whole`` see
+    """One group's step whose step numbers ``steps`` the host has: the Triton
+    kernel's (CUDA), or the C++ kernel's (CPU). ``lists`` are the parameters,
+    gradients, moments (and with amsgrad the maxima), contiguous; ``seeds``
+    see :func:`_seed_table`; ``layout`` and ``whole`` (Triton's) see
     :func:`qhoptim.torch._triton.qhm_`."""
-    _triton().qhadam_(
-        ps, gs, ms, ss, vs[0] if vs else None, steps, hp, grad_scale=grad_scale, found_inf=None,
-        seeds=seeds if cast(Tensor, seeds).numel() else None, levels=_device_ladders(ms, device),
-        layout=layout, whole=whole,
-    )  # fmt: skip
-
-
-def _cpu_qhadam_(
-    ps: list[Tensor],
-    gs: list[Tensor],
-    ms: list[Tensor],
-    ss: list[Tensor],
-    vs: list[list[Tensor]],
-    steps: list[float],
-    hp: _tensors.QHAdamHyperparameters,
-    grad_scale: Tensor | None,
-    seeds: Tensor | list[int],
-) -> None:
-    """:func:`_qhadam_numbers_`'s C++ kernel."""
+    ps, gs, ms, ss, *vs = lists
+    if runs_triton(device):
+        _triton().qhadam_(
+            ps, gs, ms, ss, vs[0] if vs else None, steps, hp, grad_scale=grad_scale,
+            found_inf=None, seeds=seeds if cast(Tensor, seeds).numel() else None,
+            levels=_device_ladders(ms, device), layout=layout, whole=whole,
+        )  # fmt: skip
+        return
     lr = float(hp.lr)
     # One fold per distinct step number (usually one for the whole list), as
     # Python numbers: one row of 5 for every tensor, else a row per tensor.
