@@ -39,6 +39,7 @@ __all__ = ["QHM", "qhm"]
 
 _WEIGHT_DECAY_TYPES = {"grad": False, "direct": True}
 _MOMENTUM_BUFFER = operator.itemgetter("momentum_buffer")
+_HAS_STEP = operator.methodcaller("__contains__", "step")
 
 
 def _conversion(name: str) -> Any:
@@ -132,9 +133,9 @@ class QHM(MomentumBufferState, QHOptimizer):
         momentum_buffers: list[Tensor],
     ) -> None:
         states = self._gather(group, params, grads)
-        if group["state_dtype"] is None and all(states):
-            # The common case, every state made: taken at C speed, since the
-            # step's host work is per parameter.
+        if all(states) and (group["state_dtype"] is None or all(map(_HAS_STEP, states))):
+            # The common case, every state made (a narrow one's step count
+            # too): taken at C speed, since the step's host work is per parameter.
             momentum_buffers.extend(map(_MOMENTUM_BUFFER, states))
             return
         for p, state in zip(params, states, strict=True):
