@@ -410,17 +410,13 @@ def counted(counts: list[Tensor]) -> list[float]:
     """Add one to each step count (one-value tensors of one device) and return
     the new counts: in one C++ call where the fused CPU kernel's extension is
     loaded and the counts are float CPU tensors, else by torch's multi-tensor
-    addition and one read of them all (an addition and an ``item()`` per count
-    would each cost a torch call per tensor). Under ``torch.compile`` the
-    counts' values are the tensors themselves (:func:`_tensors.value_of`)."""
-    if torch.compiler.is_compiling():
-        _tensors.advance_counts(counts)
-        return [_tensors.value_of(c) for c in counts]
-    extension = loaded_cpu_extension()
+    addition and :func:`_tensors.values_of` (under ``torch.compile`` the
+    counts themselves)."""
+    extension = None if torch.compiler.is_compiling() else loaded_cpu_extension()
     values = None if extension is None else extension.count_steps_(counts)
     if values is None:
         _tensors.advance_counts(counts)
-        values = torch.stack(counts).tolist() if counts else []
+        values = _tensors.values_of(counts)
     return cast(list[float], values)
 
 

@@ -545,12 +545,15 @@ def _multi_tensor_qhadam(
         # The step counts live on the CPU unless capturable.
         if on_device:
             _tensors.advance_counts(steps)
+            numbers: list[Any] = steps
+        else:
+            numbers = _fused.counted(steps)
         _kernels.qhadam_(
             ps,
             gs,
             ms,
             ss,
-            steps if on_device else _fused.counted(steps),
+            numbers,
             hp,
             max_exp_avg_sqs=vs[0] if vs else None,
         )

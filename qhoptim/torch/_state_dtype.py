@@ -147,54 +147,44 @@ def state_seeds(
     """The rounding seeds of each parameter's first ``states`` states (QHM's
     buffer; QHAdam's two moments and AMSGrad's maximum) in step ``steps[i]``
     (the number of the step being taken), the parameter at ``positions[i]`` in
-    its optimizer: :func:`qhoptim.rounding.rounding_seed`, on Python ints or,
-    for many parameters, on int64 tensors."""
-    # Each step number mixed once (a step's parameters usually share one).
+    its optimizer: :func:`qhoptim.rounding.rounding_seed` -- by the fused CPU
+    kernel's hash where it is loaded and the step number is one, else on
+    Python ints or, for many parameters, on int64 tensors."""
+    # Each step number mixed once (a step's parameters usually share one); the
+    # positions' half of each seed kept from step to step.
     mixed = {t: rounding.mix32(int(t) & _MASK32) for t in set(steps)}
+    spreads = _index_spreads(tuple(positions), states)
     extension = _extension.loaded_cpu_extension()
     if len(mixed) == 1 and extension is not None:  # the fused CPU kernel's own hash
         (step_mix,) = mixed.values()
-        spreads = _index_spread_list(tuple(positions), states)
         return extension.rounding_seeds_(step_mix, spreads, states)  # type: ignore[no-any-return]
     if len(steps) < VECTOR_SEEDS:
         return [
             [
-                rounding.rounding_seed_of_mixed_step(
-                    mixed[step], rounding.state_index(position, k) & _MASK32
-                )
+                rounding.rounding_seed_of_spread(mixed[step], spreads[states * i + k])
                 for k in range(states)
             ]
-            for step, position in zip(steps, positions, strict=True)
+            for i, step in enumerate(steps)
         ]
     if len(mixed) == 1:  # one step number for all: a number beside the table
         (step_mix,) = mixed.values()
     else:
         step_mix = torch.tensor([mixed[t] for t in steps], dtype=torch.int64)[:, None]
-    spread = _index_spreads(tuple(positions), states)
-    seeds = rounding.rounding_seed_of_spread(step_mix, spread, _INT64_BITS)
+    table = torch.tensor(spreads, dtype=torch.int64).view(-1, states)
+    seeds = rounding.rounding_seed_of_spread(step_mix, table, _INT64_BITS)
     return seeds.tolist()  # type: ignore[no-any-return]
 
 
 @functools.lru_cache(maxsize=8)
-def _index_spread_list(positions: tuple[int, ...], states: int) -> list[int]:
-    """:func:`_index_spreads` as Python ints, flat (``states`` per parameter),
-    for the fused CPU kernel's ``rounding_seeds_``."""
+def _index_spreads(positions: tuple[int, ...], states: int) -> list[int]:
+    """:func:`qhoptim.rounding.index_spread` of each parameter's first ``states``
+    state indices, flat, kept from step to step for the same parameters: a
+    step's seeds then cost the mix alone."""
     return [
         rounding.index_spread(rounding.state_index(position, k) & _MASK32)
         for position in positions
         for k in range(states)
     ]
-
-
-@functools.lru_cache(maxsize=8)
-def _index_spreads(positions: tuple[int, ...], states: int) -> Tensor:
-    """:func:`qhoptim.rounding.index_spread` of each parameter's states (int64
-    ``[n, states]``), kept from step to step for the same parameters: a step's
-    seeds then cost the mix alone (this table took about a third of them)."""
-    index = rounding.state_index(
-        torch.tensor(positions, dtype=torch.int64)[:, None], torch.arange(states)
-    )
-    return rounding.index_spread(index & _MASK32, _INT64_BITS)  # type: ignore[no-any-return]
 
 
 def hash32(seed: int, start: int, stop: int, device: torch.device) -> Tensor:
