@@ -702,6 +702,19 @@ inline int decode_values_avx2(float* __restrict__ x, const uint8_t* __restrict__
 // register (a permute reads an index's 4 low bits), codes narrowed in one
 // instruction.
 
+// A vector the compiler must keep (in a register, or spilled): GCC otherwise
+// makes some constants again on every pass of a loop, a broadcast from a
+// general register each -- a uop on the port the encoding's permutes
+// and comparisons already crowd (it took 9% longer without).
+inline __m512i kept(__m512i v) {
+  asm("" : "+v"(v));
+  return v;
+}
+inline __m512 kept(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
 inline __m512 octave16(const float* octave) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(octave)); }
 
 inline __m512 power_of_two(__m512i q) {
@@ -945,20 +958,38 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
 #endif
 
 #if defined(QHOPTIM_AVX512)
-inline __m512i hash32_of_key_avx512(uint32_t seed, __m512i key) {
-  __m512i x = _mm512_xor_si512(key, _mm512_set1_epi32(static_cast<int>(seed)));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+// The constants of noise16_avx512 for a seed, made once per loop.
+struct Noise16 {
+  __m512i folded, first_multiplier, second_multiplier, low_half;
+  explicit Noise16(uint32_t seed)
+      : folded(kept(_mm512_set1_epi32(static_cast<int>(seed ^ (seed >> 16))))),
+        first_multiplier(kept(_mm512_set1_epi32(0x7FEB352D))),
+        second_multiplier(kept(_mm512_set1_epi32(static_cast<int>(0x846CA68Bu)))),
+        low_half(kept(_mm512_set1_epi32(0xFFFF))) {}
+};
+
+// hash32_of_key(seed, key) & 0xFFFF, the rounding's noise, for 16 keys (k:
+// Noise16(seed)). The hash's first step, x ^ (x >> 16) of x = key ^ seed, is
+// key ^ (key >> 16) ^ folded with folded = seed ^ (seed >> 16) (a shift
+// distributes over a xor): one three-way xor per vector instead of two; the
+// last step and the mask one more (vpternlogd). The encoding is bound by its
+// vector operations, so each one left out shows.
+inline __m512i noise16_avx512(const Noise16& k, __m512i key) {
+  __m512i x = _mm512_ternarylogic_epi32(key, _mm512_srli_epi32(key, 16), k.folded, 0x96);
+  x = _mm512_mullo_epi32(x, k.first_multiplier);
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, k.second_multiplier);
+  return _mm512_ternarylogic_epi32(x, _mm512_srli_epi32(x, 16), k.low_half, 0x28);
 }
 
-// encode_values_avx2, 16 values at a time.
+// The general steps of encode_values_avx512 for 16 values (`key` their noise's
+// keys), where not all of them are in FastCase's range (rare: a zero, a value
+// far below its block's scale, a non-finite one). Out of line, so that the
+// loop holds only the fast case's constants in its registers.
 template <bool SIGNED, bool STOCHASTIC>
-inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict__ x,
-                                uint32_t first, int len, float inverse_scale,
-                                const Ladder& ladder, uint32_t s) {
+__attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, __m512 value,
+                                                       __m512i key, float inverse_scale,
+                                                       const Ladder& ladder, uint32_t s) {
   const int nl = ladder.nl;
   const __m512 octave = octave16(ladder.octave), octave_above = octave16(ladder.octave + 1);
   const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
@@ -970,98 +1001,116 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
   const __m512 first_level = _mm512_set1_ps(ladder.lv[1]);
   const __m512 last_below = _mm512_set1_ps(ladder.lv[nl - 2]);
   const __m512 last_above = _mm512_set1_ps(ladder.lv[nl - 1]);
+  const __m512 absolute = _mm512_abs_ps(value);
+  const __mmask16 finite = _mm512_cmp_ps_mask(absolute, largest, _CMP_LE_OQ);
+  const __m512 magnitude =
+      _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(absolute, smallest, _CMP_NLT_UQ), absolute);
+  __m512 ratio = _mm512_mul_ps(magnitude, inverse);
+  ratio = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ratio, smallest, _CMP_GE_OQ), ratio);
+  const __m512i bits = _mm512_castps_si512(ratio);
+  const __m512i fraction = _mm512_and_si512(bits, mantissa_bits);
+  const __m512 mantissa =
+      _mm512_castsi512_ps(_mm512_or_si512(fraction, _mm512_set1_epi32(0x3F800000)));
+  const __m512i guess = _mm512_srli_epi32(fraction, 20);
+  const __mmask16 up_one = _mm512_cmp_ps_mask(
+      mantissa, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
+  const __m512i r = _mm512_mask_add_epi32(guess, up_one, guess, one);
+  const __m512 power =
+      _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)));
+  __m512 below = _mm512_mul_ps(_mm512_permutexvar_ps(r, octave), power);
+  __m512 above = _mm512_mul_ps(_mm512_permutexvar_ps(r, octave_above), power);
+  const __m512i exponent =
+      _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127));
+  __m512i low = _mm512_add_epi32(top, _mm512_add_epi32(_mm512_slli_epi32(exponent, 3), r));
+  const __mmask16 under = _mm512_cmplt_epi32_mask(low, one);
+  const __mmask16 over = _mm512_cmpgt_epi32_mask(low, highest_low);
+  low = _mm512_min_epi32(_mm512_max_epi32(low, zero), highest_low);
+  below = _mm512_mask_mov_ps(_mm512_mask_mov_ps(below, under, _mm512_setzero_ps()), over,
+                             last_below);
+  above = _mm512_mask_mov_ps(_mm512_mask_mov_ps(above, under, first_level), over, last_above);
+  __m512 threshold = _mm512_set1_ps(0.5f);
+  if constexpr (STOCHASTIC) {
+    const __m512i noise = noise16_avx512(Noise16(s), key);
+    threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), _mm512_set1_ps(0x1p-16f));
+  }
+  const __mmask16 up =
+      _mm512_cmp_ps_mask(_mm512_sub_ps(ratio, below),
+                         _mm512_mul_ps(threshold, _mm512_sub_ps(above, below)), _CMP_GT_OQ);
+  __m512i code = _mm512_mask_add_epi32(low, up, low, one);
+  if constexpr (SIGNED) {
+    const __mmask16 negative =
+        _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ) &
+        _mm512_cmpgt_epi32_mask(code, zero);
+    code = _mm512_mask_add_epi32(code, negative, code, _mm512_set1_epi32(128));
+    code = _mm512_mask_mov_epi32(_mm512_set1_epi32(kSignedNonFinite), finite, code);
+  } else {
+    const __mmask16 positive = _mm512_cmpgt_epi32_mask(bits, zero);
+    code = _mm512_mask_max_epi32(code, positive, code, _mm512_set1_epi32(kUnsignedInfinite + 1));
+    code = _mm512_mask_mov_epi32(_mm512_set1_epi32(kUnsignedInfinite), finite, code);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8(code));
+}
+
+// encode_values_avx2, 16 values at a time.
+template <bool SIGNED, bool STOCHASTIC>
+inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict__ x,
+                                uint32_t first, int len, float inverse_scale,
+                                const Ladder& ladder, uint32_t s) {
+  // Every constant of the loop kept (see kept).
+  const __m512 octave = kept(octave16(ladder.octave));
+  const __m512 octave_above = kept(octave16(ladder.octave + 1));
+  const __m512 smallest = kept(_mm512_set1_ps(kSmallestNormal));
+  const __m512 inverse = kept(_mm512_set1_ps(inverse_scale));
+  const __m512i one = kept(_mm512_set1_epi32(1));
+  const __m512i mantissa_bits = kept(_mm512_set1_epi32(0x7FFFFF));
+  const __m512i one_bits = kept(_mm512_set1_epi32(FastCase::kOneBits));
   __m512i key = _mm512_add_epi32(
       _mm512_set1_epi32(static_cast<int>(first * kGolden)),
       _mm512_mullo_epi32(
           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
           _mm512_set1_epi32(static_cast<int>(kGolden))));
-  const __m512i key_step = _mm512_set1_epi32(static_cast<int>(16u * kGolden));
+  const __m512i key_step = kept(_mm512_set1_epi32(static_cast<int>(16u * kGolden)));
+  const Noise16 noise_constants(s);
+  const __m512i sign_code = kept(_mm512_set1_epi32(128));
   const FastCase fast_case(ladder, SIGNED, STOCHASTIC);
-  const __m512i lowest = _mm512_set1_epi32(fast_case.lowest_bits);
-  const __m512i span = _mm512_set1_epi32(fast_case.span);
-  const __m512 gaps = octave16(fast_case.gaps);
-  const __m512i code_of_rung = _mm512_set1_epi32(fast_case.code_of_rung);
+  const __m512i lowest = kept(_mm512_set1_epi32(fast_case.lowest_bits));
+  const __m512i span = kept(_mm512_set1_epi32(fast_case.span));
+  const __m512 gaps = kept(octave16(fast_case.gaps));
+  const __m512i code_of_rung = kept(_mm512_set1_epi32(fast_case.code_of_rung));
   int i = 0;
   for (; i + 16 <= len; i += 16, key = _mm512_add_epi32(key, key_step)) {
     const __m512 value = _mm512_loadu_ps(x + i);
     const __m512 absolute = _mm512_abs_ps(value);
-    // The fast case (FastCase), and the general steps for the others.
+    // The fast case (FastCase); the general steps for the others.
     const __m512 fast_ratio = _mm512_mul_ps(absolute, inverse);
     const __m512i fast_bits = _mm512_castps_si512(fast_ratio);
     const __mmask16 fast = _mm512_mask_cmple_epu32_mask(
         _mm512_cmp_ps_mask(absolute, smallest, _CMP_GE_OQ),
         _mm512_sub_epi32(fast_bits, lowest), span);
-    if (fast == 0xFFFF) {
-      const __m512 m = _mm512_castsi512_ps(  // (bits & mantissa) | 1.0's bits
-          _mm512_ternarylogic_epi32(fast_bits, mantissa_bits,
-                                    _mm512_set1_epi32(FastCase::kOneBits), 0xEA));
-      const __m512i guess = _mm512_srli_epi32(fast_bits, 20);  // 8 e + 127 * 8 + the top bits
-      const __mmask16 up_one =
-          _mm512_cmp_ps_mask(m, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
-      const __m512i rung = _mm512_mask_add_epi32(guess, up_one, guess, one);
-      const __m512 distance = _mm512_sub_ps(m, _mm512_permutexvar_ps(rung, octave));
-      __m512 threshold = _mm512_permutexvar_ps(rung, gaps);
-      if constexpr (STOCHASTIC) {
-        const __m512i noise =
-            _mm512_and_si512(hash32_of_key_avx512(s, key), _mm512_set1_epi32(0xFFFF));
-        threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), threshold);
-      }
-      const __mmask16 up = _mm512_cmp_ps_mask(distance, threshold, _CMP_GT_OQ);
-      __m512i code = _mm512_add_epi32(rung, code_of_rung);
-      code = _mm512_mask_add_epi32(code, up, code, one);
-      if constexpr (SIGNED) {
-        const __mmask16 negative = _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ);
-        code = _mm512_mask_add_epi32(code, negative, code, _mm512_set1_epi32(128));
-      }
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(code));
+    if (fast != 0xFFFF) {
+      encode16_general_avx512<SIGNED, STOCHASTIC>(c + i, value, key, inverse_scale, ladder, s);
       continue;
     }
-    const __mmask16 finite = _mm512_cmp_ps_mask(absolute, largest, _CMP_LE_OQ);
-    const __m512 magnitude =
-        _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(absolute, smallest, _CMP_NLT_UQ), absolute);
-    __m512 ratio = _mm512_mul_ps(magnitude, inverse);
-    ratio = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ratio, smallest, _CMP_GE_OQ), ratio);
-    const __m512i bits = _mm512_castps_si512(ratio);
-    const __m512i fraction = _mm512_and_si512(bits, mantissa_bits);
-    const __m512 mantissa =
-        _mm512_castsi512_ps(_mm512_or_si512(fraction, _mm512_set1_epi32(0x3F800000)));
-    const __m512i guess = _mm512_srli_epi32(fraction, 20);
-    const __mmask16 up_one = _mm512_cmp_ps_mask(
-        mantissa, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
-    const __m512i r = _mm512_mask_add_epi32(guess, up_one, guess, one);
-    const __m512 power =
-        _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)));
-    __m512 below = _mm512_mul_ps(_mm512_permutexvar_ps(r, octave), power);
-    __m512 above = _mm512_mul_ps(_mm512_permutexvar_ps(r, octave_above), power);
-    const __m512i exponent =
-        _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127));
-    __m512i low = _mm512_add_epi32(top, _mm512_add_epi32(_mm512_slli_epi32(exponent, 3), r));
-    const __mmask16 under = _mm512_cmplt_epi32_mask(low, one);
-    const __mmask16 over = _mm512_cmpgt_epi32_mask(low, highest_low);
-    low = _mm512_min_epi32(_mm512_max_epi32(low, zero), highest_low);
-    below = _mm512_mask_mov_ps(_mm512_mask_mov_ps(below, under, _mm512_setzero_ps()), over,
-                               last_below);
-    above = _mm512_mask_mov_ps(_mm512_mask_mov_ps(above, under, first_level), over, last_above);
-    __m512 threshold = _mm512_set1_ps(0.5f);
+    const __m512 m = _mm512_castsi512_ps(  // (bits & mantissa) | 1.0's bits
+        _mm512_ternarylogic_epi32(fast_bits, mantissa_bits, one_bits, 0xEA));
+    const __m512i guess = _mm512_srli_epi32(fast_bits, 20);  // 8 e + 127 * 8 + the top bits
+    const __mmask16 up_one =
+        _mm512_cmp_ps_mask(m, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
+    const __m512i rung = _mm512_mask_add_epi32(guess, up_one, guess, one);
+    const __m512 distance = _mm512_sub_ps(m, _mm512_permutexvar_ps(rung, octave));
+    __m512 threshold = _mm512_permutexvar_ps(rung, gaps);
     if constexpr (STOCHASTIC) {
-      const __m512i noise =
-          _mm512_and_si512(hash32_of_key_avx512(s, key), _mm512_set1_epi32(0xFFFF));
-      threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), _mm512_set1_ps(0x1p-16f));
+      const __m512i noise = noise16_avx512(noise_constants, key);
+      threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), threshold);
     }
-    const __mmask16 up =
-        _mm512_cmp_ps_mask(_mm512_sub_ps(ratio, below),
-                           _mm512_mul_ps(threshold, _mm512_sub_ps(above, below)), _CMP_GT_OQ);
-    __m512i code = _mm512_mask_add_epi32(low, up, low, one);
+    const __mmask16 up = _mm512_cmp_ps_mask(distance, threshold, _CMP_GT_OQ);
+    __m512i code = _mm512_add_epi32(rung, code_of_rung);
+    code = _mm512_mask_add_epi32(code, up, code, one);
     if constexpr (SIGNED) {
-      const __mmask16 negative =
-          _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ) &
-          _mm512_cmpgt_epi32_mask(code, zero);
-      code = _mm512_mask_add_epi32(code, negative, code, _mm512_set1_epi32(128));
-      code = _mm512_mask_mov_epi32(_mm512_set1_epi32(kSignedNonFinite), finite, code);
-    } else {
-      const __mmask16 positive = _mm512_cmpgt_epi32_mask(bits, zero);
-      code = _mm512_mask_max_epi32(code, positive, code, _mm512_set1_epi32(kUnsignedInfinite + 1));
-      code = _mm512_mask_mov_epi32(_mm512_set1_epi32(kUnsignedInfinite), finite, code);
+      // The sign bit: here every value is finite, normal and not zero, so it
+      // is value < 0, read on another port than a float comparison's.
+      const __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(value));
+      code = _mm512_mask_add_epi32(code, negative, code, sign_code);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(code));
   }
