@@ -331,8 +331,13 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   // would keep the loop from vectorizing.
   const uint32_t seed_m = seeds[0], seed_s = seeds[1], seed_v = seeds[2];
   PositionKeys<FOLD> keys(first);
-  for (int64_t begin = 0; begin < n; begin += kSpan) {
-    if (begin + kAhead < n) {
+  // A state as wide as the parameters asks for nothing: the loop's square root
+  // and division leave the hardware's prefetchers time enough, and the
+  // requests cost QHAdam's float32-state step 2-4% on ResNet-18 shapes.
+  constexpr bool kAsks = SR || !std::is_same_v<state_t, scalar_t>;
+  const int64_t span = kAsks ? kSpan : n;
+  for (int64_t begin = 0; begin < n; begin += span) {
+    if (kAsks && begin + kAhead < n) {
       ask_for_span<true>(p + begin + kAhead);
       ask_for_span<false>(g + begin + kAhead);
       ask_for_span<true>(m + begin + kAhead);
@@ -341,7 +346,7 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
         ask_for_span<true>(v + begin + kAhead);
       }
     }
-    const int64_t end = std::min(n, begin + kSpan);
+    const int64_t end = std::min(n, begin + span);
     for (int64_t i = begin; i < end; ++i) {
       const uint32_t at = keys.next();
       const opmath_t pi = static_cast<opmath_t>(p[i]);
