@@ -251,7 +251,8 @@ at::Tensor readable_grad(const at::Tensor& param, const at::Tensor& grad) {
 // values (2 threads), asking ahead made QHM's step 9-13% faster with a float32
 // buffer and 23-27% with a bfloat16 one (the rounding's arithmetic between the
 // loads had kept fewer of them in flight), and kAhead = 2048 did better than
-// 1024 and 4096. A request past a tensor's end is dropped, never a fault.
+// 1024 and 4096. Requests stay inside the chunk: its last spans ask for
+// nothing.
 // The span loop is written out in each chunk: through a lambda, the pointers'
 // __restrict__ was lost and the gain with it.
 constexpr int64_t kSpan = 256;
@@ -275,7 +276,7 @@ void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t
                opmath_t bv, opmath_t gv, uint32_t seed) {
   PositionKeys<FOLD> keys(first);
   for (int64_t begin = 0; begin < n; begin += kSpan) {
-    if (begin + kAhead < n) {
+    if (begin + kAhead + kSpan <= n) {
       ask_for_span<true>(p + begin + kAhead);
       ask_for_span<false>(g + begin + kAhead);
       ask_for_span<true>(b + begin + kAhead);
@@ -337,7 +338,7 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   constexpr bool kAsks = SR || !std::is_same_v<state_t, scalar_t>;
   const int64_t span = kAsks ? kSpan : n;
   for (int64_t begin = 0; begin < n; begin += span) {
-    if (kAsks && begin + kAhead < n) {
+    if (kAsks && begin + kAhead + kSpan <= n) {
       ask_for_span<true>(p + begin + kAhead);
       ask_for_span<false>(g + begin + kAhead);
       ask_for_span<true>(m + begin + kAhead);
@@ -1316,7 +1317,7 @@ void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tenso
       // Nearer than the chunk loops' kAhead: a block's arithmetic is several
       // times theirs, and asking kAhead values on made the step 3-17% slower
       // (benchmarks.kernel_ab, 2 threads).
-      if (lo + kBlocksAhead * kBlock < hi) {
+      if (lo + (kBlocksAhead + 1) * kBlock <= hi) {  // inside this thread's blocks
         const int64_t ahead = lo + kBlocksAhead * kBlock;
         ask_for_span<true>(p + ahead);
         ask_for_span<false>(grad + ahead);
