@@ -266,6 +266,14 @@ inline void ask_for_span(const T* x) {
   }
 }
 
+// Asks for a span of every stream of a step from `at` on: the gradient, read
+// only, and the tensors the step writes (the parameter and its states).
+template <typename G, typename... W>
+inline void ask_ahead(int64_t at, const G* grad, W*... written) {
+  ask_for_span<false>(grad + at);
+  (ask_for_span<true>(written + at), ...);
+}
+
 // One chunk of a QHM step. The pointers do not alias and the coefficients are
 // values, so the compiler vectorizes the loop without run-time checks. `first`
 // is the chunk's position in the tensor (the rounding noise's counter).
@@ -277,9 +285,7 @@ void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t
   PositionKeys<FOLD> keys(first);
   for (int64_t begin = 0; begin < n; begin += kSpan) {
     if (begin + kAhead + kSpan <= n) {
-      ask_for_span<true>(p + begin + kAhead);
-      ask_for_span<false>(g + begin + kAhead);
-      ask_for_span<true>(b + begin + kAhead);
+      ask_ahead(begin + kAhead, g, p, b);
     }
     const int64_t end = std::min(n, begin + kSpan);
     for (int64_t i = begin; i < end; ++i) {
@@ -339,12 +345,10 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   const int64_t span = kAsks ? kSpan : n;
   for (int64_t begin = 0; begin < n; begin += span) {
     if (kAsks && begin + kAhead + kSpan <= n) {
-      ask_for_span<true>(p + begin + kAhead);
-      ask_for_span<false>(g + begin + kAhead);
-      ask_for_span<true>(m + begin + kAhead);
-      ask_for_span<true>(s + begin + kAhead);
       if constexpr (AMSGRAD) {
-        ask_for_span<true>(v + begin + kAhead);
+        ask_ahead(begin + kAhead, g, p, m, s, v);
+      } else {
+        ask_ahead(begin + kAhead, g, p, m, s);
       }
     }
     const int64_t end = std::min(n, begin + span);
@@ -1319,8 +1323,7 @@ void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tenso
       // (benchmarks.kernel_ab, 2 threads).
       if (lo + (kBlocksAhead + 1) * kBlock <= hi) {  // inside this thread's blocks
         const int64_t ahead = lo + kBlocksAhead * kBlock;
-        ask_for_span<true>(p + ahead);
-        ask_for_span<false>(grad + ahead);
+        ask_ahead(ahead, grad, p);
         for (int k = 0; k < K; ++k) {
           ask_for_span<true>(packed[k].codes + ahead);
         }
