@@ -263,7 +263,7 @@ def _share_bytecode() -> None:
     uv links a package's files from its cache into every venv that installs
     it, but each venv writes its own bytecode beside them: torch's, JAX's and
     TensorFlow's, some 60-120 MB a venv, over 0.8 GB in all. A ``.pyc`` is
-    valid for any copy of its source: its header holds the source's
+    valid for every hard link of its source: its header holds the source's
     modification time and size, which the links share, and Python replaces
     the file name compiled into it with the path it imports from. So where
     two venvs' ``.pyc`` of one linked source (same inode, same Python) have
@@ -301,7 +301,11 @@ def _share_bytecode() -> None:
                     continue
                 link = pyc.with_name(pyc.name + ".link")
                 os.link(original, link)
-                os.replace(link, pyc)
+                try:
+                    os.replace(link, pyc)
+                except OSError:
+                    link.unlink()
+                    raise
             except OSError:
                 continue
             shared += 1
