@@ -57,6 +57,10 @@ LearningRate = float | mx.array | Callable[[mx.array], mx.array]
 # MLX's uint32 arrays wrap; the constants are made as uint32 arrays.
 _BITS = rounding.Bits(const=lambda c: mx.array(c, dtype=mx.uint32))
 
+#: What a parameter's stochastic rounding reads (_NarrowState._noise): its
+#: elements' flat positions and the seed of each of its states.
+_Noise = tuple[mx.array, tuple[mx.array, ...]]
+
 #: The dtypes ``state_dtype`` may be (None: the parameter's own).
 STATE_DTYPES = (mx.bfloat16, mx.float16, mx.float32, mx.float64)
 
@@ -70,20 +74,24 @@ def _working(state: mx.array, param: mx.array) -> mx.array:
     return state if state.dtype == param.dtype else state.astype(param.dtype)
 
 
-def _stored(value: mx.array, dtype: mx.Dtype, seed: mx.array | None) -> mx.array:
-    """A step's new state in the state's ``dtype``: to bfloat16 with
-    :mod:`qhoptim.rounding`'s stochastic rounding under ``seed``, or cast
-    (``seed`` None: to nearest). Inside a compiled step the noise, a hash of
-    each element's flat position, is made in the step's fused kernel."""
+def _stored(value: mx.array, dtype: mx.Dtype, noise: _Noise | None, k: int = 0) -> mx.array:
+    """A step's new state ``k`` of a parameter in the state's ``dtype``: to
+    bfloat16 with :mod:`qhoptim.rounding`'s stochastic rounding (``noise``: the
+    parameter's positions and its states' seeds), or cast (``noise`` None: to
+    nearest). Inside a compiled step the noise is made in
+    the step's fused kernel, and the kept half of each float32 is written as
+    bfloat16's bits: MLX does not fuse across a ``view``, and its own
+    conversion to bfloat16 would be one more pass over the state."""
     if value.dtype == dtype:
         return value
-    if seed is None:
+    if noise is None:
         return value.astype(dtype)
-    x = value.astype(mx.float32)
-    positions = mx.arange(x.size, dtype=mx.uint32).reshape(x.shape)
-    noise = rounding.noise16(positions, seed, _BITS)
-    bits: mx.array = rounding.round_bits(x.view(mx.uint32), noise, _BITS)
-    return bits.view(mx.float32).astype(mx.bfloat16)
+    positions, seeds = noise
+    bits = value.astype(mx.float32).view(mx.uint32)
+    rounded: mx.array = rounding.round_bits(
+        bits, rounding.noise16(positions, seeds[k], _BITS), _BITS
+    )
+    return (rounded >> 16).astype(mx.uint16).view(mx.bfloat16)
 
 
 # One parameter's step, compiled: MLX fuses it into one kernel (on the CPU it
@@ -95,19 +103,18 @@ def _stored(value: mx.array, dtype: mx.Dtype, seed: mx.array | None) -> mx.array
 @mx.compile
 def _qhm_step(
     grad: mx.array, param: mx.array, buf: mx.array, lr: mx.array, factor: Any,
-    momentum: Any, nu: Any, coupled_wd: Any, seeds: mx.array | None = None,
+    momentum: Any, nu: Any, coupled_wd: Any, noise: _Noise | None = None,
 ) -> tuple[mx.array, mx.array]:  # fmt: skip
     """One parameter's step; ``lr`` (in the parameter's dtype) and the decoupled
     decay ``factor`` are this step's, computed once for all parameters. The
     weights stay Python numbers, constants of the kernel: each array scalar is
     one more broadcast input of the fused kernel, measurably slower on the CPU.
     A buffer stored narrower than the parameter steps in the parameter's dtype
-    and is stored back with :func:`_stored` (``seeds[0]``)."""
+    and is stored back with :func:`_stored` (``noise``: its seed and positions)."""
     if coupled_wd:
         grad = rules.coupled_weight_decay(grad, param, coupled_wd)
     new_buf, direction = rules.qhm_update(grad, _working(buf, param), momentum=momentum, nu=nu)
-    seed = None if seeds is None else seeds[0]
-    return _stored(new_buf, buf.dtype, seed), rules.apply_update(param, direction, lr, factor)
+    return _stored(new_buf, buf.dtype, noise), rules.apply_update(param, direction, lr, factor)
 
 
 def _sqrt(x: Any) -> Any:
@@ -129,7 +136,7 @@ def _scaled(param: mx.array, factor: Any) -> mx.array:
 def _qhadam_step(
     grad: mx.array, param: mx.array, m: mx.array, v: mx.array, v_max: mx.array | None,
     form: Any, weights: tuple[Any, ...], factor: Any, b1: Any, b2: Any, coupled_wd: Any,
-    seeds: mx.array | None = None,
+    noise: _Noise | None = None,
 ) -> tuple[mx.array, ...]:  # fmt: skip
     """One parameter's step in the folded form the fused kernels of every
     backend use (:func:`qhoptim.rules.folded_qhadam_step`): the step's scalar
@@ -150,10 +157,8 @@ def _qhadam_step(
     delta = rules.folded_qhadam_step(folded, grad, m, rest[0] if rest else v, sqrt=mx.sqrt)
     param = _scaled(param, factor) + delta
     moments = [
-        _stored(x, kept.dtype, seed)
-        for x, kept, seed in zip(
-            [m, v, *rest], stored, [None] * 3 if seeds is None else seeds, strict=False
-        )
+        _stored(x, kept.dtype, noise, k)
+        for k, (x, kept) in enumerate(zip([m, v, *rest], stored, strict=True))
     ]
     return (*moments, param)
 
@@ -214,13 +219,14 @@ class _NarrowState(optim.Optimizer):
         # A parameter's position, for the seeds of its state's rounding: its
         # place in the gradients' tree, in which order ``apply_single`` is called.
         self._position = 0
-        # Counted only when a state is rounded (_seeds); not kept past the step.
+        # Counted only when a state is rounded (_noise); not kept past the step.
         self._gradients: Any = gradients
         self._step_seeds: mx.array | None = None
+        self._positions: dict[tuple[int, ...], mx.array] = {}
         try:
             return super().apply_gradients(gradients, parameters)
         finally:
-            self._gradients = None
+            self._gradients, self._positions = None, {}
 
     def _held(self, stored: list[mx.array], parameter: mx.array) -> list[mx.array]:
         """``stored`` in the dtype this optimizer keeps its state in (``state_dtype``,
@@ -230,12 +236,16 @@ class _NarrowState(optim.Optimizer):
         dtype = parameter.dtype if self.state_dtype is None else self.state_dtype
         return [x if x.dtype == dtype else x.astype(dtype) for x in stored]
 
-    def _seeds(self, stored: list[mx.array], parameter: mx.array) -> mx.array | None:
-        """The rounding seeds of this parameter's ``stored`` states (None where
-        none is rounded stochastically), and the position moves on.
+    def _noise(self, stored: list[mx.array], parameter: mx.array) -> _Noise | None:
+        """What the rounding of this parameter's ``stored`` states reads (None
+        where none is rounded stochastically): its elements' flat positions and
+        each state's seed. The position in the tree moves on.
 
         Every state's seed of the step is computed at once, on the first call
-        (one small array: a few operations per step, not per parameter).
+        (one small array: a few operations per step, not per parameter), and
+        the positions once per shape: each array is one more operation, and
+        MLX's CPU operations cost microseconds each, which many small
+        parameters add up.
         """
         position, self._position = self._position, self._position + 1
         if not self._stochastic or all(x.dtype == parameter.dtype for x in stored):
@@ -246,8 +256,14 @@ class _NarrowState(optim.Optimizer):
             indices = mx.arange(rounding.state_index(count), dtype=mx.uint32)
             seeds = rounding.rounding_seed(self.step.astype(mx.uint32), indices, _BITS)
             self._step_seeds = _materialized(seeds)
+        shape = tuple(parameter.shape)
+        if shape not in self._positions:
+            count = math.prod(shape)
+            self._positions[shape] = mx.arange(count, dtype=mx.uint32).reshape(shape)
         first = rounding.state_index(position)
-        return self._step_seeds[first : first + len(stored)]
+        # Shape (1,), which broadcasts: an index would be two operations.
+        seeds = tuple(self._step_seeds[first + k : first + k + 1] for k in range(len(stored)))
+        return self._positions[shape], seeds
 
 
 class _QHOptimizer(_NarrowState):
@@ -364,7 +380,7 @@ class QHM(_QHOptimizer):
         (buf,) = self._held([state["momentum_buffer"]], parameter)
         state["momentum_buffer"], parameter = _qhm_step(
             gradient, parameter, buf, lr, factor,
-            self.momentum, self.nu, self._coupled_weight_decay(), self._seeds([buf], parameter),
+            self.momentum, self.nu, self._coupled_weight_decay(), self._noise([buf], parameter),
         )  # fmt: skip
         return parameter
 
@@ -500,7 +516,7 @@ class QHAdam(_QHOptimizer):
         *moments, parameter = _qhadam_step(
             gradient, parameter, stored[0], stored[1], stored[2] if self.amsgrad else None,
             folded.denominator.value, tuple(folded[1:]), factor, *self.betas,
-            self._coupled_weight_decay(), self._seeds(stored, parameter),
+            self._coupled_weight_decay(), self._noise(stored, parameter),
         )  # fmt: skip
         state.update(zip(keys, moments, strict=True))
         return parameter
@@ -643,11 +659,11 @@ class QHMuon(_NarrowState):
         if self.weight_decay != 0:
             gradient = rules.coupled_weight_decay(gradient, parameter, self.weight_decay)
         (buf,) = self._held([state["momentum_buffer"]], parameter)
-        seeds = self._seeds([buf], parameter)
+        noise = self._noise([buf], parameter)
         new_buf, direction = rules.qhm_update(
             gradient, _working(buf, parameter), momentum=self.momentum, nu=self.nu
         )
-        state["momentum_buffer"] = _stored(new_buf, buf.dtype, None if seeds is None else seeds[0])
+        state["momentum_buffer"] = _stored(new_buf, buf.dtype, noise)
         lr = self.learning_rate.astype(gradient.dtype)
         if direction.ndim < 2:
             stepped: mx.array = rules.apply_update(parameter, direction, lr)

@@ -65,25 +65,42 @@ def test_the_state_is_stored_in_bfloat16_at_half_the_bytes(name: str) -> None:
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_rounding_is_the_rule_every_backend_follows(compiled: bool) -> None:
-    # QHM with momentum 0 stores the gradient itself, rounded; "b" is the
-    # second parameter of the gradients' tree: state index 4 * 1.
-    g = mx.array(np.random.default_rng(3).standard_normal((50, 7)).astype(np.float32)) * 1e-3
-    grads = {"a": mx.ones(3), "b": g, "c": mx.ones(2)}
-    params = {"a": mx.zeros(3), "b": mx.zeros((50, 7)), "c": mx.zeros(2)}
-    opt = qhmlx.QHM(0.1, momentum=0.0, nu=0.7, state_dtype=BF16)
-    opt.init(params)
+    # With momentum 0 QHM stores the gradient itself, rounded, and with betas
+    # 0 QHAdam its gradient and the gradient squared: the stored bits are the
+    # rule's of those numbers. "a" and "b" share a shape (and the positions
+    # the rounding reads); each state has its own seed, rounding.state_index
+    # of the parameter's place in the gradients' tree and of which state it is.
+    rng = np.random.default_rng(3)
+    shape = (50, 7)
+    grads = {
+        "a": mx.array(rng.standard_normal(shape).astype(np.float32)) * 1e-3,
+        "b": mx.array(rng.standard_normal(shape).astype(np.float32)) * 1e-3,
+        "c": mx.ones(2),
+    }
+    for opt, moments in [
+        (qhmlx.QHM(0.1, momentum=0.0, nu=0.7, state_dtype=BF16), {"momentum_buffer": 1}),
+        (qhmlx.QHAdam(1e-3, betas=(0.0, 0.0), state_dtype=BF16), {"m": 1, "v": 2}),
+    ]:
+        params = {k: mx.zeros(g.shape) for k, g in grads.items()}
+        opt.init(params)
 
-    def step(params: dict[str, mx.array]) -> dict[str, mx.array]:
-        return opt.apply_gradients(grads, params)
+        def step(params: dict[str, mx.array], opt: Any = opt) -> dict[str, mx.array]:
+            return opt.apply_gradients(grads, params)
 
-    run = mx.compile(step, inputs=opt.state, outputs=opt.state) if compiled else step
-    for t in (1, 2):
-        params = run(params)
-        mx.eval(params, opt.state)
-        stored = np.array(opt.state["b"]["momentum_buffer"].view(mx.uint16))
-        want = rounding.stochastic_round_reference(np.array(g), t, 4 * 1)
-        assert np.array_equal(stored, want)
-        assert not np.array_equal(stored, np.array(g.astype(BF16).view(mx.uint16)))
+        run = mx.compile(step, inputs=opt.state, outputs=opt.state) if compiled else step
+        for t in (1, 2):
+            params = run(params)
+            mx.eval(params, opt.state)
+            for position, name in enumerate(grads):
+                g = np.array(grads[name])
+                for k, (key, power) in enumerate(moments.items()):
+                    stored = np.array(opt.state[name][key].view(mx.uint16))
+                    want = rounding.stochastic_round_reference(
+                        g**power, t, rounding.state_index(position, k)
+                    )
+                    assert np.array_equal(stored, want), (type(opt).__name__, name, key, t)
+            first = np.array(opt.state["a"][next(iter(moments))].view(mx.uint16))
+            assert not np.array_equal(first, np.array(grads["a"].astype(BF16).view(mx.uint16)))
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
