@@ -88,10 +88,10 @@ def _stored(value: mx.array, dtype: mx.Dtype, noise: _Noise | None, k: int = 0) 
         return value.astype(dtype)
     positions, seeds = noise
     bits = value.astype(mx.float32).view(mx.uint32)
-    rounded: mx.array = rounding.round_bits(
+    top: mx.array = rounding.bfloat16_bits(
         bits, rounding.noise16(positions, seeds[k], _BITS), _BITS
     )
-    return (rounded >> 16).astype(mx.uint16).view(mx.bfloat16)
+    return top.astype(mx.uint16).view(mx.bfloat16)
 
 
 # One parameter's step, compiled: MLX fuses it into one kernel (on the CPU it
@@ -226,7 +226,7 @@ class _NarrowState(optim.Optimizer):
         try:
             return super().apply_gradients(gradients, parameters)
         finally:
-            self._gradients, self._positions = None, {}
+            self._gradients, self._step_seeds, self._positions = None, None, {}
 
     def _held(self, stored: list[mx.array], parameter: mx.array) -> list[mx.array]:
         """``stored`` in the dtype this optimizer keeps its state in (``state_dtype``,
@@ -261,8 +261,12 @@ class _NarrowState(optim.Optimizer):
             count = math.prod(shape)
             self._positions[shape] = mx.arange(count, dtype=mx.uint32).reshape(shape)
         first = rounding.state_index(position)
-        # Shape (1,), which broadcasts: an index would be two operations.
-        seeds = tuple(self._step_seeds[first + k : first + k + 1] for k in range(len(stored)))
+        # Shape (1,), which broadcasts, where it keeps the state's shape (an
+        # index is two operations); a 0-d parameter's seeds are 0-d.
+        if parameter.ndim == 0:
+            seeds = tuple(self._step_seeds[first + k] for k in range(len(stored)))
+        else:
+            seeds = tuple(self._step_seeds[first + k : first + k + 1] for k in range(len(stored)))
         return self._positions[shape], seeds
 
 

@@ -384,12 +384,10 @@ def _store(
     if not (stochastic and dtype == jnp.bfloat16 and value.dtype != jnp.bfloat16):
         return value.astype(dtype)
     x = value.astype(jnp.float32)
-    bits = rounding.round_bits(
+    top = rounding.bfloat16_bits(
         jax.lax.bitcast_convert_type(x, jnp.uint32), _noise16(x.shape, seed), _BITS
     )
-    # The kept top half is the bfloat16 (no conversion's rounding logic to run).
-    top = (bits >> 16).astype(jnp.uint16)
-    return jax.lax.bitcast_convert_type(top, jnp.bfloat16)
+    return jax.lax.bitcast_convert_type(top.astype(jnp.uint16), jnp.bfloat16)
 
 
 def decoded_state(state: Any) -> Any:

@@ -50,6 +50,7 @@ __all__ = [
     "PYTHON",
     "STATE_DTYPES",
     "Bits",
+    "bfloat16_bits",
     "check_narrower",
     "check_real",
     "check_second_moment_dtype",
@@ -167,13 +168,24 @@ def noise16(positions: Any, seed: Any, bits: Bits = PYTHON) -> Any:
     return mix32(x, bits) & bits.const(0xFFFF)
 
 
-def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
-    """The float32 bits of the bfloat16 value ``float32_bits`` rounds to with ``noise``.
+def _carried(float32_bits: Any, noise: Any, bits: Bits) -> Any:
+    # Adding ``noise`` (below ``2**16``) carries into the kept half with
+    # probability equal to the dropped half's share of a unit in the last place.
+    return bits.wrap(float32_bits + noise)
 
-    Adding ``noise`` (below ``2**16``) carries into the kept half with
-    probability equal to the dropped half's share of a unit in the last place.
-    """
-    return bits.wrap(float32_bits + noise) & bits.const(BFLOAT16_MASK)
+
+def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
+    """The float32 bits of the bfloat16 value ``float32_bits`` rounds to with
+    ``noise`` (the kept top half, the dropped half cleared)."""
+    return _carried(float32_bits, noise, bits) & bits.const(BFLOAT16_MASK)
+
+
+def bfloat16_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
+    """The bits of the bfloat16 value ``float32_bits`` rounds to with ``noise``:
+    :func:`round_bits`' top half, below ``2**16`` (a backend stores them as
+    uint16 and reads them as bfloat16, where a float32-to-bfloat16 cast would
+    run its own rounding on a value it leaves unchanged)."""
+    return bits.shift(_carried(float32_bits, noise, bits), 16)
 
 
 #: The name of the 8-bit blockwise state's dtype (``state_dtype=torch.uint8``,
@@ -292,12 +304,15 @@ def stochastic_round_reference(values: Any, step: int, index: int) -> Any:
     statement of the rule every backend's tests compare with. Needs NumPy."""
     import numpy as np
 
-    x = np.ascontiguousarray(np.asarray(values, dtype=np.float32))
+    x = np.asarray(values, dtype=np.float32)
+    # Flat, in row-major order (NumPy's 0-d arithmetic gives scalars, which
+    # warn where arrays wrap), and back in the values' shape.
+    flat = np.ascontiguousarray(x.reshape(-1))
     u32 = Bits(const=np.uint32)
     seed = np.uint32(rounding_seed(step, index))
-    positions = np.arange(x.size, dtype=np.uint32).reshape(x.shape)
-    rounded = round_bits(x.view(np.uint32), noise16(positions, seed, u32), u32)
-    return (rounded >> np.uint32(16)).astype(np.uint16)
+    positions = np.arange(flat.size, dtype=np.uint32)
+    top = bfloat16_bits(flat.view(np.uint32), noise16(positions, seed, u32), u32)
+    return top.astype(np.uint16).reshape(x.shape)
 
 
 def eight_bit_encode_reference(

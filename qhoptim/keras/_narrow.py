@@ -110,10 +110,8 @@ def _store(value: Any, dtype: str, seed: Any) -> Any:
         positions = ops.reshape(ops.arange(ops.size(x), dtype="uint32"), ops.shape(x))
         bitcast = _bitcast
     noise = rounding.noise16(positions, seed, _BITS)
-    bits = rounding.round_bits(bitcast(x, "uint32"), noise, _BITS)
-    # The kept top half is the bfloat16: a cast of the float32 would run the
-    # conversion's rounding logic on a value it leaves as it is.
-    return bitcast(ops.cast(_BITS.shift(bits, 16), "uint16"), "bfloat16")
+    top = rounding.bfloat16_bits(bitcast(x, "uint32"), noise, _BITS)
+    return bitcast(ops.cast(top, "uint16"), "bfloat16")
 
 
 def stored(

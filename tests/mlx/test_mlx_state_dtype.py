@@ -70,16 +70,21 @@ def test_the_rounding_is_the_rule_every_backend_follows(compiled: bool) -> None:
     # rule's of those numbers. "a" and "b" share a shape (and the positions
     # the rounding reads); each state has its own seed, rounding.state_index
     # of the parameter's place in the gradients' tree and of which state it is.
+    # AMSGrad's maximum (state 2) is the rounded second moment's only at the
+    # first step. "s", a 0-d parameter, keeps its shape.
     rng = np.random.default_rng(3)
     shape = (50, 7)
     grads = {
         "a": mx.array(rng.standard_normal(shape).astype(np.float32)) * 1e-3,
         "b": mx.array(rng.standard_normal(shape).astype(np.float32)) * 1e-3,
         "c": mx.ones(2),
+        "s": mx.array(np.float32(1.2345e-3)),
     }
-    for opt, moments in [
-        (qhmlx.QHM(0.1, momentum=0.0, nu=0.7, state_dtype=BF16), {"momentum_buffer": 1}),
-        (qhmlx.QHAdam(1e-3, betas=(0.0, 0.0), state_dtype=BF16), {"m": 1, "v": 2}),
+    amsgrad = qhmlx.QHAdam(1e-3, betas=(0.0, 0.0), amsgrad=True, state_dtype=BF16)
+    for opt, moments, steps in [
+        (qhmlx.QHM(0.1, momentum=0.0, nu=0.7, state_dtype=BF16), {"momentum_buffer": 1}, 2),
+        (qhmlx.QHAdam(1e-3, betas=(0.0, 0.0), state_dtype=BF16), {"m": 1, "v": 2}, 2),
+        (amsgrad, {"m": 1, "v": 2, "v_max": 2}, 1),
     ]:
         params = {k: mx.zeros(g.shape) for k, g in grads.items()}
         opt.init(params)
@@ -88,9 +93,10 @@ def test_the_rounding_is_the_rule_every_backend_follows(compiled: bool) -> None:
             return opt.apply_gradients(grads, params)
 
         run = mx.compile(step, inputs=opt.state, outputs=opt.state) if compiled else step
-        for t in (1, 2):
+        for t in range(1, steps + 1):
             params = run(params)
             mx.eval(params, opt.state)
+            assert all(params[k].shape == g.shape for k, g in grads.items())
             for position, name in enumerate(grads):
                 g = np.array(grads[name])
                 for k, (key, power) in enumerate(moments.items()):
