@@ -86,13 +86,20 @@ def _stepper(backend: str, opt: Any, shapes: list[tuple[int, ...]], grads: list[
     if backend == "jax":
         import jax
 
-        apply = jax.jit(opt.stateless_apply, donate_argnums=(0, 2))
-        state = [[v.value for v in opt.variables], [v.value for v in variables]]
+        # The state donated in the order the step returns it (the variables,
+        # then the optimizer's), as Keras's trainer donates its state: JAX
+        # hands a donated buffer to the next output of its shape, and in
+        # another order XLA copies what it cannot then update in place (two
+        # copies of each variable for SGD on ResNet-18, whatever the optimizer).
+        apply = jax.jit(
+            lambda params, opt_vars, grads: opt.stateless_apply(opt_vars, grads, params),
+            donate_argnums=(0, 1),
+        )
+        state = [[v.value for v in variables], [v.value for v in opt.variables]]
 
         def step() -> None:
-            params, opt_vars = apply(state[0], grads, state[1])
-            jax.block_until_ready(params)
-            state[0], state[1] = opt_vars, params
+            state[:] = apply(state[0], state[1], grads)
+            jax.block_until_ready(state[0])
 
         return step
     import torch
