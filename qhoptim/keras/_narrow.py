@@ -98,9 +98,11 @@ def _store(value: Any, dtype: str, seed: Any, after: Any = None) -> Any:
     made of it (:func:`_after`), so that the rounded slot is written after the
     variable's update has read the old slot: Keras's trainer donates the
     slots, and without that order XLA's CPU backend copies each narrow slot
-    before overwriting it in place (a copy of each slot per step: QHAdam's
-    bfloat16 slots took 2.0x the float32 slots' step on ResNet-18 shapes,
-    1.6x with the order)."""
+    before overwriting it in place (QHAdam's bfloat16 slots took 2.0x the
+    float32 slots' step on ResNet-18 shapes, 1.6x with the order). AMSGrad's
+    second moment is still copied: the maximum's store reads the old one, and
+    ordering the stores among themselves through their values does not hold
+    (XLA recomputes a stored slot where another store reads it)."""
     if seed is None:
         return ops.cast(value, dtype)
     if BACKEND == "torch":
