@@ -102,7 +102,9 @@ def _store(value: Any, dtype: str, seed: Any, after: Any = None) -> Any:
     float32 slots' step on ResNet-18 shapes, 1.6x with the order). AMSGrad's
     second moment is still copied: the maximum's store reads the old one, and
     ordering the stores among themselves through their values does not hold
-    (XLA recomputes a stored slot where another store reads it)."""
+    (XLA recomputes a stored slot where another store reads it); so is a slot
+    rounded to nearest, whose cast takes no seed. Every slot has its
+    variable's shape, which the zero's broadcast relies on."""
     if seed is None:
         return ops.cast(value, dtype)
     if BACKEND == "torch":

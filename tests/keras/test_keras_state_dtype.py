@@ -106,6 +106,7 @@ def test_donated_bfloat16_slots_are_written_in_place_without_copies(name: str) -
         return opt.stateless_apply(slots, grads, params)
 
     hlo = jax.jit(step, donate_argnums=(0, 1)).lower(params, slots, grads).compile().as_text()
+    assert "input_output_alias" in hlo  # the donation took effect
     copies = [line for line in hlo.splitlines() if " copy(" in line and "bf16[" in line]
     assert sum(v.dtype == "bfloat16" for v in opt.variables) >= len(variables)
     assert copies == []
