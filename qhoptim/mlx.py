@@ -78,10 +78,10 @@ def _stored(value: mx.array, dtype: mx.Dtype, noise: _Noise | None, k: int = 0) 
     """A step's new state ``k`` of a parameter in the state's ``dtype``: to
     bfloat16 with :mod:`qhoptim.rounding`'s stochastic rounding (``noise``: the
     parameter's positions and its states' seeds), or cast (``noise`` None: to
-    nearest). Inside a compiled step the noise is made in
-    the step's fused kernel, and the kept half of each float32 is written as
-    bfloat16's bits: MLX does not fuse across a ``view``, and its own
-    conversion to bfloat16 would be one more pass over the state."""
+    nearest). Inside a compiled step the noise is made in the step's fused
+    kernel, and the kept half of each float32 is written as bfloat16's bits:
+    MLX does not fuse across a ``view``, and its own conversion to bfloat16
+    would be one more pass over the state."""
     if value.dtype == dtype:
         return value
     if noise is None:

@@ -108,9 +108,12 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
 
     def _narrow(self, variable: Any) -> bool:
         """Whether ``variable``'s slots are stored narrower than it."""
-        return self.state_dtype is not None and self.state_dtype != _narrow.state_dtype_name(
-            variable.dtype
-        )
+        return self._narrower_than(_narrow.state_dtype_name(variable.dtype))
+
+    def _narrower_than(self, dtype_name: str | None) -> bool:
+        """Whether slots of a variable of the dtype Keras names ``dtype_name``
+        are stored narrower than it (in ``state_dtype``)."""
+        return self.state_dtype is not None and self.state_dtype != dtype_name
 
     def _apply_weight_decay(self, variables: Any) -> None:
         # Decoupled decay is part of each variable's step (``rules.apply_update``, i.e.

@@ -70,17 +70,15 @@ class TorchStep:
         # Eager torch: the learning rate (Keras's variable, a schedule's
         # tensor, a callable's number) is concrete; read once per step.
         lr = float(self._read(learning_rate))
-        # Whether a variable's slots are narrower than it (the base class's
-        # _narrow), read from its tensor's dtype: Keras's ``variable.dtype``
-        # costs microseconds a variable, which many small variables add up.
-        narrow_dtype = None if self.state_dtype is None else getattr(torch, self.state_dtype)
         groups: dict[tuple[float, bool], tuple[list[int], list[Any], list[Any]]] = {}
         for grad, variable in zip(grads, trainable_variables, strict=True):
             param = variable.value  # Keras's ``value`` is not free: read once
             if param.is_complex():
                 return generic(grads, trainable_variables, learning_rate)  # type: ignore[no-any-return]
             decay = 0.0 if self._weight_decay_for(variable) is None else wd
-            key = (decay, narrow_dtype is not None and param.dtype != narrow_dtype)
+            # Narrowness read from the tensor's dtype: Keras's ``variable.dtype``
+            # costs microseconds a variable, which many small variables add up.
+            key = (decay, self._narrower_than(str(param.dtype).removeprefix("torch.")))
             indices, params, param_grads = groups.setdefault(key, ([], [], []))
             indices.append(self._get_variable_index(variable))
             params.append(param)
