@@ -556,9 +556,11 @@ def integrations(session: nox.Session) -> None:
 def mlx(session: nox.Session) -> None:
     _install(session, "test,mlx")
     session.install("scikit-learn", *CONSTRAINTS)  # the digits example's data
-    _typecheck(session, "qhoptim/mlx.py")
-    _pytest_with_conformance(session, "tests/mlx", "tests/test_packaging.py", tables=("mlx",))
-    _doctests(session, "qhoptim/mlx.py")
+    _typecheck(session, "qhoptim/mlx")
+    _pytest_with_conformance(
+        session, "tests/mlx", "tests/test_packaging.py", tables=("mlx", "mlx-fused")
+    )
+    _doctests(session, "qhoptim/mlx/__init__.py")
 
 
 @nox.session(python=PYTHON_LOWEST)
@@ -672,6 +674,7 @@ def docs(session: nox.Session) -> None:
             ("optax", f"optax-{PYTHON}"),
             ("keras", "keras(jax)"),
             ("mlx", "mlx"),
+            ("mlx-fused", "mlx"),
         )
     }
     env["QHOPTIM_DOCS_CONFORMANCE_ROWS"] = os.pathsep.join(

@@ -36,10 +36,38 @@ import mlx.optimizers as optim
 
 import qhoptim.mlx as qhmlx
 from benchmarks.shapes import SUITES
+from qhoptim.mlx import _extension
 
-PAIRS = {
-    "qhm": (lambda: qhmlx.QHM(0.1, momentum=0.999, nu=0.7), "sgd-nesterov"),
-    "qhadam": (lambda: qhmlx.QHAdam(1e-3, nus=(0.7, 1.0)), "adam"),
+QHM_ARGS: dict[str, Any] = {"learning_rate": 0.1, "momentum": 0.999, "nu": 0.7}
+QHADAM_ARGS: dict[str, Any] = {"learning_rate": 1e-3, "nus": (0.7, 1.0)}
+#: Each timed QH step: (its factory of a state dtype, its baseline's name). The
+#: plain rows take MLX's operations (``fused=False``), the fused rows the C++ step.
+PAIRS: dict[str, tuple[Callable[[Any], optim.Optimizer], str]] = {
+    "qhm": (lambda dtype: qhmlx.QHM(**QHM_ARGS, fused=False), "sgd-nesterov"),
+    "qhadam": (lambda dtype: qhmlx.QHAdam(**QHADAM_ARGS, fused=False), "adam"),
+}
+FUSED_PAIRS: dict[str, tuple[Callable[[Any], optim.Optimizer], str]] = {
+    "qhm-fused": (lambda dtype: qhmlx.QHM(**QHM_ARGS, fused=True), "sgd-nesterov"),
+    "qhadam-fused": (lambda dtype: qhmlx.QHAdam(**QHADAM_ARGS, fused=True), "adam"),
+}
+#: With ``--state-dtype``: each QH step with its state in that dtype, against
+#: the float32-state step of the same path.
+NARROW_PAIRS: dict[str, tuple[Callable[[Any], optim.Optimizer], str]] = {
+    "qhm-{}": (lambda dtype: qhmlx.QHM(**QHM_ARGS, state_dtype=dtype, fused=False), "qhm"),
+    "qhadam-{}": (
+        lambda dtype: qhmlx.QHAdam(**QHADAM_ARGS, state_dtype=dtype, fused=False),
+        "qhadam",
+    ),
+}
+FUSED_NARROW_PAIRS: dict[str, tuple[Callable[[Any], optim.Optimizer], str]] = {
+    "qhm-fused-{}": (
+        lambda dtype: qhmlx.QHM(**QHM_ARGS, state_dtype=dtype, fused=True),
+        "qhm-fused",
+    ),
+    "qhadam-fused-{}": (
+        lambda dtype: qhmlx.QHAdam(**QHADAM_ARGS, state_dtype=dtype, fused=True),
+        "qhadam-fused",
+    ),
 }
 BASELINES: dict[str, Callable[[], optim.Optimizer]] = {
     "sgd-nesterov": lambda: optim.SGD(0.1, momentum=0.9, nesterov=True),
@@ -57,24 +85,27 @@ def _step_fn(opt: optim.Optimizer, compiled: bool) -> Callable[[Any, Any], Any]:
     return mx.compile(step, inputs=state, outputs=state)
 
 
-NARROW = {
-    "qhm": lambda dtype: qhmlx.QHM(0.1, momentum=0.999, nu=0.7, state_dtype=dtype),
-    "qhadam": lambda dtype: qhmlx.QHAdam(1e-3, nus=(0.7, 1.0), state_dtype=dtype),
-}
+def pairs(state_dtype: str | None, fused: bool) -> dict[str, tuple[Any, str]]:
+    """Every timed QH step by name: (its optimizer's factory, its baseline's name)."""
+    dtype = getattr(mx, state_dtype) if state_dtype else None
+    tables = [PAIRS, NARROW_PAIRS] if dtype else [PAIRS]
+    if fused:
+        tables += [FUSED_PAIRS, FUSED_NARROW_PAIRS] if dtype else [FUSED_PAIRS]
+    return {
+        name.format(state_dtype): (lambda make=make: make(dtype), base)
+        for table in tables
+        for name, (make, base) in table.items()
+    }
 
 
 def bench(
-    shapes: list[tuple[int, ...]], compiled: bool, repeats: int, state_dtype: str | None = None
+    shapes: list[tuple[int, ...]], compiled: bool, repeats: int, timed: dict[str, tuple[Any, str]]
 ) -> dict[str, float]:
     grads = {
         f"p{i}": mx.random.normal(s, key=mx.random.key(i)) * 1e-3 for i, s in enumerate(shapes)
     }
     mx.eval(grads)
-    factories = {name: make for name, (make, _) in PAIRS.items()} | BASELINES
-    if state_dtype is not None:
-        dtype = getattr(mx, state_dtype)
-        for name, make_narrow in NARROW.items():
-            factories[f"{name}-{state_dtype}"] = lambda m=make_narrow: m(dtype)
+    factories = {name: make for name, (make, _) in timed.items()} | BASELINES
     runs = {}
     for name, make in factories.items():
         opt = make()
@@ -102,28 +133,25 @@ def main() -> None:
     parser.add_argument("--state-dtype", default=None, help="also time state_dtype=this")
     args = parser.parse_args()
     mx.set_default_device(mx.cpu)
+    fused = _extension.fused_extension_available()
+    timed = pairs(args.state_dtype, fused)
     print(f"mlx {mx.__version__}, device {mx.default_device()}, {platform.machine()}")
-    print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / MLX baseline\n")
+    if not fused:
+        print("no fused rows: qhoptim.mlx's C++ step is not built here (needs nanobind and c++)")
+    print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / baseline\n")
     print(
-        f"{'params':<10}{'step':<10}{'optimizer':<12}{'ms':>9}{'baseline':>14}{'ms':>9}{'ratio':>8}"
+        f"{'params':<10}{'step':<10}{'optimizer':<22}{'ms':>9}{'baseline':>14}{'ms':>9}{'ratio':>8}"
     )
     for suite in args.suites:
         for compiled in (False, True):
-            ms = bench(SUITES[suite], compiled, args.repeats, args.state_dtype)
-            for name, (_, base) in PAIRS.items():
-                mode = "compiled" if compiled else "eager"
+            ms = bench(SUITES[suite], compiled, args.repeats, timed)
+            mode = "compiled" if compiled else "eager"
+            for name, (_, base) in timed.items():
                 print(
-                    f"{suite:<10}{mode:<10}{name:<12}{ms[name]:>9.2f}{base:>14}"
+                    f"{suite:<10}{mode:<10}{name:<22}{ms[name]:>9.2f}{base:>14}"
                     f"{ms[base]:>9.2f}{ms[name] / ms[base]:>8.2f}",
                     flush=True,
                 )
-                narrow = f"{name}-{args.state_dtype}"
-                if narrow in ms:
-                    print(
-                        f"{suite:<10}{mode:<10}{narrow:<12}{ms[narrow]:>9.2f}{name:>14}"
-                        f"{ms[name]:>9.2f}{ms[narrow] / ms[name]:>8.2f}",
-                        flush=True,
-                    )
 
 
 if __name__ == "__main__":

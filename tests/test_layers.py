@@ -53,6 +53,10 @@ LAYERS: dict[str, dict[str, int]] = {
         "_qhmuon": 5,  # keras.optimizers.Muon's subclass
         "__init__": 6,
     },
+    "qhoptim.mlx": {
+        "_extension": 1,  # building and loading csrc/fused_cpu.cpp
+        "__init__": 2,  # the optimizers
+    },
 }
 
 #: The backends: each is a module or package of ``qhoptim``; the rest is the core.

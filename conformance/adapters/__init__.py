@@ -42,6 +42,7 @@ REGISTRY: dict[str, str] = {
     "optax": "conformance.adapters.optax:OptaxAdapter",
     "keras": "conformance.adapters.keras:KerasAdapter",
     "mlx": "conformance.adapters.mlx:MLXAdapter",
+    "mlx-fused": "conformance.adapters.mlx:MLXFusedAdapter",
 }
 
 

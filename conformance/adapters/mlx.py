@@ -1,6 +1,8 @@
 """Adapter for ``qhoptim.mlx``: the MLX optimizers, eager ``apply_gradients``, closed loop.
 
-Every run is on MLX's CPU stream (float64 exists only there). The per-step
+Every run is on MLX's CPU stream (float64 exists only there). ``mlx`` steps
+with MLX's operations (``fused=False``), ``mlx-fused`` in the C++ step
+(``fused=True``, float32). The per-step
 learning rate is a schedule indexing the case's ``lrs`` with the optimizer's
 step, as an ``mx.array`` in the run's dtype: a Python float would become a
 float32 ``mx.array`` (MLX's convention) and round a float64 run's learning rate.
@@ -55,6 +57,7 @@ def make_optimizer(case: Case, learning_rate: Any, **options: Any) -> optim.Opti
 
 class MLXAdapter:
     name = "mlx"
+    fused = False  # MLX's operations
 
     def available(self) -> bool:
         return True
@@ -76,8 +79,11 @@ class MLXAdapter:
 
     def _run(self, case: Case, dtype: mx.Dtype) -> np.ndarray:
         lrs = mx.array(np.asarray(case.lrs, dtype=np.float64), dtype=dtype)
-        muon = {"ns_dtype": dtype} if case.optimizer == "qhmuon" else {}
-        opt = make_optimizer(case, lambda step: lrs[step], **muon)
+        if case.optimizer == "qhmuon":
+            options: dict[str, Any] = {"ns_dtype": dtype}
+        else:
+            options = {"fused": self.fused}
+        opt = make_optimizer(case, lambda step: lrs[step], **options)
 
         def step(o: Any, params: list[mx.array], grads: list[mx.array], lr: float) -> Any:
             del lr  # the schedule supplies it
@@ -96,3 +102,18 @@ class MLXAdapter:
             make=lambda params: opt,
             step=step,
         )
+
+
+class MLXFusedAdapter(MLXAdapter):
+    """``fused=True``: the C++ step (float32 parameters; QHM, QHAdam, QHAdamW)."""
+
+    name = "mlx-fused"
+    fused = True
+
+    def available(self) -> bool:
+        from qhoptim.mlx import _extension
+
+        return _extension.fused_extension_available()
+
+    def supports(self, case: Case, dtype: str) -> bool:
+        return dtype == "float32" and case.optimizer != "qhmuon"

@@ -87,6 +87,7 @@ ADAPTER_MODULES = {
     "optax": "qhoptim.optax",
     "keras": "qhoptim.keras",
     "mlx": "qhoptim.mlx",
+    "mlx-fused": "qhoptim.mlx",
 }
 
 

@@ -64,9 +64,10 @@ def test_the_public_api() -> None:
 
 def test_defaults_are_the_other_backends() -> None:
     # The float64 reference holds the defaults every backend shares; the
-    # state's dtype is the parameters' unless one is asked for.
+    # state's dtype is the parameters' unless one is asked for, and the path
+    # MLX's operations but for a bfloat16 state (fused=None).
     qhm = _defaults(QHM)
-    state = {"state_dtype": None, "stochastic_rounding": None}
+    state = {"state_dtype": None, "stochastic_rounding": None, "fused": None}
     assert qhm == {**_reference_defaults(reference.QHM), "decoupled_weight_decay": False, **state}
     assert _defaults(QHAdam) == {**_reference_defaults(reference.QHAdam), **state}
     assert "learning_rate" not in qhm  # required, as in MLX's own optimizers

@@ -27,6 +27,19 @@ def test_conformance_rows_all_pass() -> None:
     assert not failed, runner.format_table(failed)
 
 
+def test_the_fused_steps_conformance_rows_all_pass() -> None:
+    assert load_adapter("mlx-fused").available(), "the C++ step did not build"
+    rows = runner.run(["mlx-fused"])
+    runner.record(rows, "mlx-fused")
+    # float32 (the kernel's dtype), every case of QHM, QHAdam and QHAdamW
+    assert {(r.case, r.dtype) for r in rows} == {
+        (c.name, "float32") for c in runner.load_cases() if c.optimizer != "qhmuon"
+    }
+    failed = [r for r in rows if not r.passed]
+    assert not failed, runner.format_table(failed)
+    assert max(r.deviation for r in rows) <= 1e-5
+
+
 def test_the_adapter_is_registered_and_available() -> None:
     adapter = load_adapter("mlx")
     assert adapter.name == "mlx" and adapter.available()

@@ -21,6 +21,18 @@ in float64 before it meets the array, as in every backend); the first step of
 a configuration compiles its kernel, and changing one of them later compiles
 again. Schedule only ``learning_rate``.
 
+``fused=True`` steps each float32 parameter in one pass over memory: a C++
+kernel, an MLX primitive (``csrc/fused_cpu.cpp``) that reads the parameter,
+its gradient and its state once and writes them back (in place where MLX
+donates the old arrays), float32 or bfloat16 state alike, with the same
+coefficients and the same bits as the operations' step. It is built on first
+use against the installed MLX (a C++ compiler and nanobind, which the ``mlx``
+extra installs; ``$QHOPTIM_CACHE_DIR`` or ``~/.cache/qhoptim`` keeps the
+build) and runs on MLX's CPU stream. A bfloat16 state steps there by default
+(``fused=None``) where the default device is the CPU and the kernel builds:
+MLX does not fuse its operations across the bit cast that rounding needs, and
+its own step of a bfloat16 state takes three passes or more.
+
 Dtypes: a Python float ``learning_rate`` becomes a float32 ``mx.array`` (MLX's
 convention), so float64 parameters would step with a learning rate rounded to
 float32. A float64 user passes ``learning_rate=mx.array(lr, dtype=mx.float64)``
@@ -33,6 +45,7 @@ References:
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +61,7 @@ except ImportError as error:  # pragma: no cover - exercised where MLX is absent
     ) from error
 
 from qhoptim import convert, rounding, rules, validation
+from qhoptim.mlx import _extension
 
 __all__ = ["QHM", "QHAdam", "QHAdamW", "QHMuon"]
 
@@ -60,6 +74,22 @@ _BITS = rounding.Bits(const=lambda c: mx.array(c, dtype=mx.uint32))
 #: What a parameter's stochastic rounding reads (_NarrowState._noise): its
 #: elements' flat positions and the seed of each of its states.
 _Noise = tuple[mx.array, tuple[mx.array, ...]]
+
+
+class _Store(enum.Enum):
+    """How the C++ step stores a state (``csrc/fused_cpu.cpp``'s ``Store``)."""
+
+    FLOAT32 = 0
+    BFLOAT16_STOCHASTIC = 1
+    BFLOAT16_NEAREST = 2
+
+
+#: The C++ step's number of each denominator form (``csrc/fused_cpu.cpp``).
+_DENOMINATORS = {
+    rules.Denominator.EXP_AVG_SQ: 0,
+    rules.Denominator.GRAD: 1,
+    rules.Denominator.MIX: 2,
+}
 
 #: The dtypes ``state_dtype`` may be (None: the parameter's own).
 STATE_DTYPES = (mx.bfloat16, mx.float16, mx.float32, mx.float64)
@@ -247,15 +277,10 @@ class _NarrowState(optim.Optimizer):
         MLX's CPU operations cost microseconds each, which many small
         parameters add up.
         """
-        position, self._position = self._position, self._position + 1
+        position = self._next_position()
         if not self._stochastic or all(x.dtype == parameter.dtype for x in stored):
             return None
-        if self._step_seeds is None:
-            # Every state index of the step (rounding.state_index), seeded at once.
-            count = len(tree_flatten(self._gradients))
-            indices = mx.arange(rounding.state_index(count), dtype=mx.uint32)
-            seeds = rounding.rounding_seed(self.step.astype(mx.uint32), indices, _BITS)
-            self._step_seeds = _materialized(seeds)
+        step_seeds = self._seeds_of_step()
         shape = tuple(parameter.shape)
         if shape not in self._positions:
             count = math.prod(shape)
@@ -264,10 +289,25 @@ class _NarrowState(optim.Optimizer):
         # Shape (1,), which broadcasts, where it keeps the state's shape (an
         # index is two operations); a 0-d parameter's seeds are 0-d.
         if parameter.ndim == 0:
-            seeds = tuple(self._step_seeds[first + k] for k in range(len(stored)))
+            seeds = tuple(step_seeds[first + k] for k in range(len(stored)))
         else:
-            seeds = tuple(self._step_seeds[first + k : first + k + 1] for k in range(len(stored)))
+            seeds = tuple(step_seeds[first + k : first + k + 1] for k in range(len(stored)))
         return self._positions[shape], seeds
+
+    def _next_position(self) -> int:
+        """This parameter's position in the tree; the next one's after it."""
+        position, self._position = self._position, self._position + 1
+        return position
+
+    def _seeds_of_step(self) -> mx.array:
+        """Every state's rounding seed of this step, indexed by
+        :func:`qhoptim.rounding.state_index` (computed on the first call of a step)."""
+        if self._step_seeds is None:
+            count = len(tree_flatten(self._gradients))
+            indices = mx.arange(rounding.state_index(count), dtype=mx.uint32)
+            seeds = rounding.rounding_seed(self.step.astype(mx.uint32), indices, _BITS)
+            self._step_seeds = _materialized(seeds)
+        return self._step_seeds
 
 
 class _QHOptimizer(_NarrowState):
@@ -298,6 +338,58 @@ class _QHOptimizer(_NarrowState):
     def _coupled_weight_decay(self) -> float:
         return 0.0 if self.decoupled_weight_decay else self.weight_decay
 
+    def _set_fused(self, fused: Any) -> None:
+        if fused is not None:
+            validation.check_bool(fused, "fused")
+        if fused and _dtype_name(self.state_dtype) not in (None, "float32", "bfloat16"):
+            raise ValueError(
+                "fused=True stores the state in float32 or bfloat16; "
+                f"received state_dtype={self.state_dtype!r}"
+            )
+        self.fused = fused
+
+    def _kernel_store(self, gradient: mx.array, parameter: mx.array, stored: list[mx.array]) -> Any:
+        """How the C++ step (:mod:`qhoptim.mlx._extension`) stores this
+        parameter's state, or None where MLX's operations step it: a float32
+        parameter with float32 or bfloat16 state, under ``fused=True``; under
+        ``fused=None`` a bfloat16 state on MLX's CPU, where the step is built."""
+        if self.fused is False or parameter.dtype != mx.float32 or gradient.dtype != mx.float32:
+            return None
+        dtypes = {x.dtype for x in stored}
+        if dtypes == {mx.bfloat16}:
+            store = _Store.BFLOAT16_STOCHASTIC if self._stochastic else _Store.BFLOAT16_NEAREST
+        elif dtypes == {mx.float32} and self.fused:
+            store = _Store.FLOAT32
+        else:
+            return None
+        if self.fused is None and not (
+            mx.default_device() == mx.cpu and _extension.fused_extension_available()
+        ):
+            return None
+        return store
+
+    def _fused_step(
+        self, gradient: mx.array, parameter: mx.array, stored: list[mx.array], store: _Store,
+        values: list[Any], **form: Any,
+    ) -> list[mx.array]:  # fmt: skip
+        """The new states and parameter from the C++ step; ``values``: the
+        coefficients in the kernel's layout (``csrc/fused_cpu.cpp``), numbers
+        or float32 arrays, made one array once per step."""
+        position = self._next_position()
+        if "fused" not in self._coefficients:
+            self._coefficients["fused"] = mx.stack(
+                [x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32) for x in values]
+            )
+        if store is _Store.BFLOAT16_STOCHASTIC:
+            seeds = self._seeds_of_step()
+        else:  # read by no step
+            seeds = self._coefficients.setdefault("no seeds", mx.zeros((0,), dtype=mx.uint32))
+        outputs: list[mx.array] = _extension.fused_extension().fused_step(
+            parameter, gradient, stored, self._coefficients["fused"], seeds,
+            store=store.value, first_seed=rounding.state_index(position), **form,
+        )  # fmt: skip
+        return outputs
+
 
 class QHM(_QHOptimizer):
     r"""Quasi-hyperbolic momentum.
@@ -326,6 +418,12 @@ class QHM(_QHOptimizer):
         writes back with :mod:`qhoptim.rounding`'s stochastic rounding.
       stochastic_rounding: ``None`` (stochastic for bfloat16) or a bool;
         ``False`` rounds to nearest.
+      fused: ``True``: each float32 parameter with a float32 or bfloat16
+        state steps in the C++ kernel (see the module's notes; a
+        ``RuntimeError`` says what is missing where it cannot be built), other
+        parameters with MLX's operations. ``None``: only a bfloat16 state, and
+        only where the default device is the CPU and the kernel builds.
+        ``False``: MLX's operations always. The numbers are the same.
 
     State per parameter: ``momentum_buffer``.
 
@@ -350,6 +448,7 @@ class QHM(_QHOptimizer):
         *,
         state_dtype: mx.Dtype | None = None,
         stochastic_rounding: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         validation.check_qhm(
             lr=learning_rate,
@@ -366,6 +465,7 @@ class QHM(_QHOptimizer):
         self.weight_decay = validation.as_float(weight_decay)
         self.decoupled_weight_decay = decoupled_weight_decay
         self._set_state_dtype(state_dtype, stochastic_rounding)
+        self._set_fused(fused)
 
     @classmethod
     def from_params(cls, params: convert.QHMParams, **kwargs: Any) -> QHM:
@@ -382,6 +482,16 @@ class QHM(_QHOptimizer):
     ) -> mx.array:
         lr, factor = self._coefficients_for(parameter.dtype)
         (buf,) = self._held([state["momentum_buffer"]], parameter)
+        store = self._kernel_store(gradient, parameter, [buf])
+        if store is not None:
+            coupled_wd = self._coupled_weight_decay()
+            state["momentum_buffer"], parameter = self._fused_step(
+                gradient, parameter, [buf], store,
+                [*rules.qhm_coefficients(self.momentum, self.nu), lr, factor, coupled_wd],
+                qhadam=False, denominator=0, grad_term=True, coupled=coupled_wd != 0,
+                decay=not _is_number(factor, 1),
+            )  # fmt: skip
+            return parameter
         state["momentum_buffer"], parameter = _qhm_step(
             gradient, parameter, buf, lr, factor,
             self.momentum, self.nu, self._coupled_weight_decay(), self._noise([buf], parameter),
@@ -422,6 +532,7 @@ class QHAdam(_QHOptimizer):
       state_dtype: store the moments in this dtype (``mx.bfloat16``: 4 bytes
         per float32 parameter instead of 8), as :class:`QHM`'s buffer.
       stochastic_rounding: as :class:`QHM`'s.
+      fused: as :class:`QHM`'s.
 
     Example:
       >>> import mlx.core as mx
@@ -446,6 +557,7 @@ class QHAdam(_QHOptimizer):
         amsgrad: bool = False,
         state_dtype: mx.Dtype | None = None,
         stochastic_rounding: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         validation.check_bool(amsgrad, "amsgrad")
         validation.check_bool(decoupled_weight_decay, "decoupled_weight_decay")
@@ -476,6 +588,7 @@ class QHAdam(_QHOptimizer):
         self.decoupled_weight_decay = decoupled_weight_decay
         self._set_state_dtype(state_dtype, stochastic_rounding)
         rounding.check_second_moment_dtype(_dtype_name(state_dtype))
+        self._set_fused(fused)
 
     @classmethod
     def from_params(cls, params: convert.QHAdamParams, **kwargs: Any) -> QHAdam:
@@ -517,6 +630,18 @@ class QHAdam(_QHOptimizer):
             state["v_max"] = mx.zeros_like(state["v"])  # max(0, v) = v, as torch's (its dtype)
         keys = ("m", "v", "v_max") if self.amsgrad else ("m", "v")
         stored = self._held([state[k] for k in keys], parameter)
+        store = self._kernel_store(gradient, parameter, stored)
+        if store is not None:
+            (b1, b2), coupled_wd = self.betas, self._coupled_weight_decay()
+            *moments, parameter = self._fused_step(
+                gradient, parameter, stored, store,
+                [b1, 1 - b1, b2, 1 - b2, *folded[1:], factor, coupled_wd],
+                qhadam=True, denominator=_DENOMINATORS[folded.denominator],
+                grad_term=not _is_number(folded.grad_value, 0), coupled=coupled_wd != 0,
+                decay=not _is_number(factor, 1),
+            )  # fmt: skip
+            state.update(zip(keys, moments, strict=True))
+            return parameter
         *moments, parameter = _qhadam_step(
             gradient, parameter, stored[0], stored[1], stored[2] if self.amsgrad else None,
             folded.denominator.value, tuple(folded[1:]), factor, *self.betas,
@@ -544,10 +669,11 @@ class QHAdamW(QHAdam):
         amsgrad: bool = False,
         state_dtype: mx.Dtype | None = None,
         stochastic_rounding: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         super().__init__(
             learning_rate, betas, nus, eps, weight_decay, True, amsgrad=amsgrad,
-            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
+            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding, fused=fused,
         )  # fmt: skip
 
 
