@@ -8,7 +8,8 @@ For ResNet-18-shaped float32 parameters and 500 tensors of 1,000 elements
 same fixed gradients; after 5 warm-up rounds (compilation included) they step
 *interleaved*, one step each, round by round, so that machine noise hits all
 of them alike. Each step is ``apply_gradients`` followed by ``mx.eval`` of
-the parameters and the state, timed two ways:
+the parameters and the state (nothing else holds the old parameters and
+state, as in a training step, so MLX may write over them), timed two ways:
 
 * ``eager``: ``optimizer.apply_gradients`` as written;
 * ``compiled``: the same call inside ``mx.compile`` with the optimizer's state
@@ -17,9 +18,12 @@ the parameters and the state, timed two ways:
 Prints the median ms per step and the ratio of each QH optimizer to its MLX
 counterpart: QHM vs ``SGD(momentum=0.9, nesterov=True)``, QHAdam vs
 ``Adam(bias_correction=True)`` (QHAdam is always bias-corrected).
-``--state-dtype bfloat16`` adds each QH optimizer with its state stored in
-bfloat16 (``state_dtype``, stochastically rounded), timed in the same rounds,
-with its ratio to the float32-state step.
+The QH rows step with MLX's operations (``fused=False``); where qhoptim's C++
+step builds (``qhoptim.mlx._extension``), ``-fused`` rows time ``fused=True``
+against the same baselines. ``--state-dtype bfloat16`` adds each QH
+optimizer with its state stored in bfloat16 (``state_dtype``, stochastically
+rounded), timed in the same rounds, with its ratio to the float32-state step
+of the same path.
 """
 
 from __future__ import annotations
@@ -116,7 +120,10 @@ def bench(
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(repeats + 5):  # 5 warm-up rounds (compilation included)
         for name, run in runs.items():
+            # The old parameters released before the step, as a training
+            # step releases them (``model.update``): MLX may write over them.
             opt, step, params = run
+            run[2] = None
             t0 = time.perf_counter()
             params = step(params, grads)
             mx.eval(params, opt.state)

@@ -124,17 +124,15 @@ inline void store(typename StateType<S>::type* x, int64_t i, float value, uint32
 // MLX's maximum: NaN from either side.
 inline float nan_maximum(float a, float b) { return std::isnan(a) ? a : (a > b ? a : b); }
 
-// One step's arrays: each state and the parameter read from `*_in` and
-// written to `*_out`, the same memory where MLX donated the old array (an
-// element is read before it is written, and no other element aliases it).
+// One step's arrays, the parameter and the states stepped in place: four
+// arrays that never overlap (``__restrict__`` in the loops lets the compiler
+// vectorize them without checking at run time).
 template <Store S>
 struct Arrays {
   using T = typename StateType<S>::type;
-  const float* param_in;
-  float* param_out;
+  float* param;
   const float* grad;
-  const T* in[3];
-  T* out[3];
+  T* state[3];
 };
 
 template <Store S>
@@ -144,11 +142,10 @@ void qhm(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const
   const float factor = c[kQHMFactor], wd = c[kQHMCoupled];
   const uint32_t seed = seeds ? seeds[0] : 0u;
   const bool coupled = cfg.coupled, decay = cfg.decay;
-  const float* p = a.param_in;
-  const float* g = a.grad;
-  const auto* b = a.in[0];
-  float* p_out = a.param_out;
-  auto* b_out = a.out[0];
+  using T = typename StateType<S>::type;
+  float* __restrict__ p = a.param;
+  const float* __restrict__ g = a.grad;
+  T* __restrict__ b = a.state[0];
   uint32_t key = 0;
   for (int64_t i = 0; i < n; ++i, key += kGolden) {
     const float param = p[i];
@@ -157,8 +154,8 @@ void qhm(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const
     // rules.qhm_update, rules.apply_update
     const float buf = momentum * load<S>(b, i) + one_minus * grad;
     const float direction = grad_weight * grad + buffer_weight * buf;
-    p_out[i] = (decay ? param * factor : param) - lr * direction;
-    store<S>(b_out, i, buf, seed, key);
+    p[i] = (decay ? param * factor : param) - lr * direction;
+    store<S>(b, i, buf, seed, key);
   }
 }
 
@@ -171,11 +168,12 @@ void qhadam(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, co
   const uint32_t s0 = seeds ? seeds[0] : 0u, s1 = seeds ? seeds[1] : 0u;
   const uint32_t s2 = (seeds && AMSGRAD) ? seeds[2] : 0u;
   const bool coupled = cfg.coupled, decay = cfg.decay, grad_term = cfg.grad_term;
-  const float* p = a.param_in;
-  const float* g = a.grad;
-  const auto *m = a.in[0], *v = a.in[1], *v_max = a.in[2];
-  float* p_out = a.param_out;
-  auto *m_out = a.out[0], *v_out = a.out[1], *v_max_out = a.out[2];
+  using T = typename StateType<S>::type;
+  float* __restrict__ p = a.param;
+  const float* __restrict__ g = a.grad;
+  T* __restrict__ m = a.state[0];
+  T* __restrict__ v = a.state[1];
+  T* __restrict__ v_max = a.state[2];
   uint32_t key = 0;
   for (int64_t i = 0; i < n; ++i, key += kGolden) {
     const float param = p[i];
@@ -198,10 +196,10 @@ void qhadam(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, co
     float numerator = m_value * new_m;
     if (grad_term) numerator = numerator + g_value * grad;
     const float delta = numerator / (std::sqrt(base) + eps);
-    p_out[i] = (decay ? param * factor : param) + delta;
-    store<S>(m_out, i, new_m, s0, key);
-    store<S>(v_out, i, new_v, s1, key);
-    if constexpr (AMSGRAD) store<S>(v_max_out, i, second, s2, key);
+    p[i] = (decay ? param * factor : param) + delta;
+    store<S>(m, i, new_m, s0, key);
+    store<S>(v, i, new_v, s1, key);
+    if constexpr (AMSGRAD) store<S>(v_max, i, second, s2, key);
   }
 }
 
@@ -220,18 +218,15 @@ void run(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const
 #undef QHOPTIM_QHADAM
 }
 
-// The step on raw memory: `ins` the parameter and the states as they are
-// read, `outs` where they are written (the states first, then the parameter).
+// The step on raw memory: `outs` the states, then the parameter, each holding
+// its old values.
 template <Store S>
-void run_on(const std::vector<const void*>& ins, const std::vector<void*>& outs, const float* grad,
-            int64_t n, const float* c, const Config& cfg, const uint32_t* seeds) {
+void run_on(const std::vector<void*>& outs, const float* grad, int64_t n, const float* c,
+            const Config& cfg, const uint32_t* seeds) {
   using T = typename StateType<S>::type;
   const size_t states = outs.size() - 1;
-  Arrays<S> a{static_cast<const float*>(ins[0]), static_cast<float*>(outs[states]), grad, {}, {}};
-  for (size_t k = 0; k < states; ++k) {
-    a.in[k] = static_cast<const T*>(ins[1 + k]);
-    a.out[k] = static_cast<T*>(outs[k]);
-  }
+  Arrays<S> a{static_cast<float*>(outs[states]), grad, {}};
+  for (size_t k = 0; k < states; ++k) a.state[k] = static_cast<T*>(outs[k]);
   run<S>(a, n, c, cfg, seeds);
 }
 
@@ -284,7 +279,8 @@ class FusedStep : public mx::Primitive {
     }
     // Output k overwrites the array it replaces where nothing else reads that
     // one (MLX's donation; asked before any copy of it here counts as one more
-    // reader), else it is new memory.
+    // reader), else it is new memory the old values are first copied into:
+    // the step runs in place either way.
     std::vector<bool> donated(states + 1);
     for (size_t k = 0; k <= states; ++k) {
       const mx::array& source = inputs[k == states ? 0 : 2 + k];
@@ -305,12 +301,15 @@ class FusedStep : public mx::Primitive {
     for (auto& x : outputs) encoder.set_output_array(x);
     // The task runs after the inputs' own computations (this stream's order)
     // and holds them until it has read them.
-    encoder.dispatch([in = inputs, out_data = std::move(out_data), n = static_cast<int64_t>(outputs[0].size()),
-                      cfg = cfg_]() {
+    encoder.dispatch([in = inputs, out_data = std::move(out_data), donated = std::move(donated),
+                      n = static_cast<int64_t>(outputs[0].size()), cfg = cfg_]() {
       const size_t states = out_data.size() - 1;
       std::vector<std::vector<char>> scratch;
-      std::vector<const void*> reads{contiguous(in[0], scratch)};
-      for (size_t k = 0; k < states; ++k) reads.push_back(contiguous(in[2 + k], scratch));
+      for (size_t k = 0; k <= states; ++k) {  // the old values where MLX did not donate them
+        if (donated[k]) continue;
+        const mx::array& source = in[k == states ? 0 : 2 + k];
+        std::memcpy(out_data[k], contiguous(source, scratch), source.nbytes());
+      }
       const auto* g = reinterpret_cast<const float*>(contiguous(in[1], scratch));
       const auto* c = reinterpret_cast<const float*>(contiguous(in[2 + states], scratch));
       const bool stochastic = cfg.store == static_cast<int>(Store::kBFloat16Stochastic);
@@ -319,11 +318,11 @@ class FusedStep : public mx::Primitive {
                      : nullptr;
       switch (static_cast<Store>(cfg.store)) {
         case Store::kFloat32:
-          return run_on<Store::kFloat32>(reads, out_data, g, n, c, cfg, seeds);
+          return run_on<Store::kFloat32>(out_data, g, n, c, cfg, seeds);
         case Store::kBFloat16Stochastic:
-          return run_on<Store::kBFloat16Stochastic>(reads, out_data, g, n, c, cfg, seeds);
+          return run_on<Store::kBFloat16Stochastic>(out_data, g, n, c, cfg, seeds);
         case Store::kBFloat16Nearest:
-          return run_on<Store::kBFloat16Nearest>(reads, out_data, g, n, c, cfg, seeds);
+          return run_on<Store::kBFloat16Nearest>(out_data, g, n, c, cfg, seeds);
       }
     });
   }
