@@ -5,7 +5,8 @@ rounding, so a fused run equals the unfused one to the bit: float32 and
 bfloat16 state (rounded stochastically by the rule, and to nearest), every
 form of QHAdam's denominator, both weight decays, AMSGrad, eager and inside
 ``mx.compile``; arrays of any layout (a transposed or broadcast gradient, a
-0-d and an empty parameter). Its accuracy against the float64 reference is
+0-d and an empty parameter) and one large enough to be stepped in slices on
+several threads. Its accuracy against the float64 reference is
 the ``mlx-fused`` conformance rows (``test_mlx_conformance.py``).
 """
 
@@ -44,7 +45,8 @@ STATES = {
     "bfloat16": {"state_dtype": mx.bfloat16},
     "bfloat16-nearest": {"state_dtype": mx.bfloat16, "stochastic_rounding": False},
 }
-SHAPES = {"w": (24, 9), "b": (9,), "s": (), "e": (0,)}
+#: ``big`` is stepped in slices on several threads where the machine has cores.
+SHAPES = {"w": (24, 9), "b": (9,), "s": (), "e": (0,), "big": (2, 70_001)}
 
 
 def _params() -> dict[str, mx.array]:
@@ -58,7 +60,8 @@ def _grads(t: int) -> dict[str, mx.array]:
     w = mx.array(rng.standard_normal((9, 24)).astype(np.float32)).T
     b = mx.broadcast_to(mx.array(np.float32(rng.standard_normal())), (9,))
     s = mx.array(np.float32(rng.standard_normal()))
-    return {"w": w, "b": b, "s": s, "e": mx.zeros((0,))}
+    big = mx.array(rng.standard_normal(SHAPES["big"]).astype(np.float32))
+    return {"w": w, "b": b, "s": s, "e": mx.zeros((0,)), "big": big}
 
 
 def _run(opt: Any, steps: int, compiled: bool) -> list[tuple[str, np.ndarray, Any]]:

@@ -18,9 +18,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -79,6 +81,10 @@ inline uint32_t noise16(uint32_t key, uint32_t seed) {
 }
 constexpr uint32_t kGolden = 0x9E3779B9u;
 
+// The most threads one step takes: a few cores draw all of a socket's memory
+// bandwidth.
+constexpr int64_t kMaxThreads = 8;
+
 inline float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
@@ -136,7 +142,7 @@ struct Arrays {
 };
 
 template <Store S>
-void qhm(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const uint32_t* seeds) {
+void qhm(const Arrays<S>& a, int64_t first, int64_t n, const float* c, const Config& cfg, const uint32_t* seeds) {
   const float momentum = c[kMomentum], one_minus = c[kOneMinusMomentum];
   const float grad_weight = c[kGradWeight], buffer_weight = c[kBufferWeight], lr = c[kLr];
   const float factor = c[kQHMFactor], wd = c[kQHMCoupled];
@@ -146,8 +152,10 @@ void qhm(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const
   float* __restrict__ p = a.param;
   const float* __restrict__ g = a.grad;
   T* __restrict__ b = a.state[0];
-  uint32_t key = 0;
-  for (int64_t i = 0; i < n; ++i, key += kGolden) {
+  // The hash's key of element i, i * 0x9E3779B9 (mod 2**32), advanced by
+  // one addition per element.
+  uint32_t key = static_cast<uint32_t>(first) * kGolden;
+  for (int64_t i = first; i < first + n; ++i, key += kGolden) {
     const float param = p[i];
     float grad = g[i];
     if (coupled) grad = grad + wd * param;
@@ -160,7 +168,8 @@ void qhm(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const
 }
 
 template <Store S, Denominator D, bool AMSGRAD>
-void qhadam(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const uint32_t* seeds) {
+void qhadam(const Arrays<S>& a, int64_t first, int64_t n, const float* c, const Config& cfg,
+            const uint32_t* seeds) {
   const float b1 = c[kBeta1], omb1 = c[kOneMinusBeta1], b2 = c[kBeta2], omb2 = c[kOneMinusBeta2];
   const float s_weight = c[kExpAvgSqWeight], g_weight = c[kGradSqWeight], eps = c[kEps];
   const float m_value = c[kExpAvgValue], g_value = c[kGradValue];
@@ -174,8 +183,10 @@ void qhadam(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, co
   T* __restrict__ m = a.state[0];
   T* __restrict__ v = a.state[1];
   T* __restrict__ v_max = a.state[2];
-  uint32_t key = 0;
-  for (int64_t i = 0; i < n; ++i, key += kGolden) {
+  // The hash's key of element i, i * 0x9E3779B9 (mod 2**32), advanced by
+  // one addition per element.
+  uint32_t key = static_cast<uint32_t>(first) * kGolden;
+  for (int64_t i = first; i < first + n; ++i, key += kGolden) {
     const float param = p[i];
     float grad = g[i];
     if (coupled) grad = grad + wd * param;
@@ -204,13 +215,14 @@ void qhadam(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, co
 }
 
 template <Store S>
-void run(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const uint32_t* seeds) {
-  if (!cfg.qhadam) return qhm<S>(a, n, c, cfg, seeds);
+void run(const Arrays<S>& a, int64_t first, int64_t n, const float* c, const Config& cfg,
+         const uint32_t* seeds) {
+  if (!cfg.qhadam) return qhm<S>(a, first, n, c, cfg, seeds);
   const auto d = static_cast<Denominator>(cfg.denominator);
 #define QHOPTIM_QHADAM(DEN)                                           \
   if (d == DEN) {                                                     \
-    if (cfg.amsgrad) return qhadam<S, DEN, true>(a, n, c, cfg, seeds); \
-    return qhadam<S, DEN, false>(a, n, c, cfg, seeds);                \
+    if (cfg.amsgrad) return qhadam<S, DEN, true>(a, first, n, c, cfg, seeds); \
+    return qhadam<S, DEN, false>(a, first, n, c, cfg, seeds);                \
   }
   QHOPTIM_QHADAM(Denominator::kExpAvgSq)
   QHOPTIM_QHADAM(Denominator::kGrad)
@@ -219,7 +231,9 @@ void run(const Arrays<S>& a, int64_t n, const float* c, const Config& cfg, const
 }
 
 // The step on raw memory: `outs` the states, then the parameter, each holding
-// its old values.
+// its old values. A large array is stepped in slices on several threads (MLX
+// runs each CPU operation on one): a step moves memory, and one core does not
+// draw all the bandwidth there is.
 template <Store S>
 void run_on(const std::vector<void*>& outs, const float* grad, int64_t n, const float* c,
             const Config& cfg, const uint32_t* seeds) {
@@ -227,7 +241,19 @@ void run_on(const std::vector<void*>& outs, const float* grad, int64_t n, const 
   const size_t states = outs.size() - 1;
   Arrays<S> a{static_cast<float*>(outs[states]), grad, {}};
   for (size_t k = 0; k < states; ++k) a.state[k] = static_cast<T*>(outs[k]);
-  run<S>(a, n, c, cfg, seeds);
+  constexpr int64_t kPerThread = int64_t{1} << 16;  // below, a thread costs more than it saves
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t threads = std::min({cores, kMaxThreads, std::max<int64_t>(1, n / kPerThread)});
+  if (threads == 1) return run<S>(a, 0, n, c, cfg, seeds);
+  // Slices of whole 64-byte lines (64 values: 16 float32s, 32 bfloat16s a
+  // line), so that no two threads write one line.
+  const int64_t slice = ((n + threads - 1) / threads + 63) / 64 * 64;
+  std::vector<std::thread> workers;
+  for (int64_t first = slice; first < n; first += slice) {
+    workers.emplace_back([&, first] { run<S>(a, first, std::min(slice, n - first), c, cfg, seeds); });
+  }
+  run<S>(a, 0, std::min(slice, n), c, cfg, seeds);
+  for (auto& worker : workers) worker.join();
 }
 
 // ``x``'s data where it is row-contiguous; else its elements gathered in
