@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -75,6 +76,10 @@ __all__ = [
 
 #: The dtypes ``state_dtype`` may name, by their name in every framework.
 STATE_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+#: The folder of ``rounding.h``: the rule's hash and bfloat16 rounding in C++,
+#: which the fused CPU kernels of the torch and MLX backends include.
+CPP_INCLUDE_DIR = Path(__file__).with_name("csrc")
 
 MASK32 = 0xFFFFFFFF
 #: An element's position is spread by this odd constant (2**32 / golden ratio).

@@ -324,14 +324,15 @@ def outside(tmp_path: Path) -> Path:
 def test_wheel_holds_every_source_module_and_py_typed(wheel: Wheel) -> None:
     with zipfile.ZipFile(wheel.path) as zf:
         names = set(zf.namelist())
-    # Python modules and the C++ source of the fused CPU kernel (compiled on first use).
+    # Python modules and the C++ sources of the fused CPU kernels (compiled on
+    # first use) and the header they share.
     sources = {
         p.relative_to(REPO).as_posix()
-        for pattern in ("*.py", "*.cpp")
+        for pattern in ("*.py", "*.cpp", "*.h")
         for p in PACKAGE.rglob(pattern)
         if "__pycache__" not in p.parts
     }
-    assert {"qhoptim/__init__.py", "qhoptim/rules.py"} <= sources
+    assert {"qhoptim/__init__.py", "qhoptim/rules.py", "qhoptim/csrc/rounding.h"} <= sources
     missing = sorted(sources - names)
     assert not missing, f"modules missing from the wheel: {missing}"
     assert "qhoptim/py.typed" in names
@@ -371,7 +372,7 @@ def test_sdist_holds_what_its_tests_import(tmp_path: Path) -> None:
     needed = {
         p.relative_to(REPO).as_posix()
         for folder in ("qhoptim", "tests", "conformance", "benchmarks")
-        for pattern in ("*.py", "*.toml", "*.cpp")
+        for pattern in ("*.py", "*.toml", "*.cpp", "*.h")
         for p in (REPO / folder).rglob(pattern)
         if "__pycache__" not in p.parts
     }

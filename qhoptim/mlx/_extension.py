@@ -1,8 +1,9 @@
 """The fused CPU step's C++ extension (``csrc/fused_cpu.cpp``): an MLX primitive,
 built on first use against the installed MLX and cached on disk.
 
-The bottom layer of ``qhoptim.mlx``: it imports only MLX (and, to build,
-nanobind, the binding library MLX's own Python module is built with). The
+The bottom layer of ``qhoptim.mlx``: it imports only MLX and the core's
+:mod:`qhoptim.rounding` (whose C++ header the kernel includes), and, to build,
+nanobind, the binding library MLX's own Python module is built with. The
 optimizers (``__init__.py``) ask :func:`fused_extension` for it under
 ``fused=True``, and :func:`fused_extension_available` whether a bfloat16
 state may step in it under ``fused=None``.
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+from qhoptim import rounding
 
 _CSRC = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 
@@ -96,6 +99,7 @@ def _module_name(nanobind_version: str) -> str:
     # One build per source, MLX, nanobind, Python, flags and CPU: two qhoptim
     # versions or two environments sharing the cache each keep their own.
     digest = hashlib.sha256(_CSRC.read_bytes())
+    digest.update((rounding.CPP_INCLUDE_DIR / "rounding.h").read_bytes())
     for part in (_mlx_version(), nanobind_version, sys.version, " ".join(_CFLAGS), _cpu()):
         digest.update(b"\0" + part.encode())
     return f"qhoptim_mlx_fused_cpu_{digest.hexdigest()[:12]}"
@@ -136,6 +140,7 @@ def _build(compiler: str, nanobind: Any, name: str, library: Path) -> str:
         str(source_dir.parent / "ext" / "robin_map" / "include"),
         sysconfig.get_paths()["include"],
         str(mlx_root / "include"),
+        str(rounding.CPP_INCLUDE_DIR),  # the rounding rule in C++
     ]
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         output = Path(scratch) / library.name

@@ -1,7 +1,8 @@
 """The fused CPU kernel's C++ extension (``csrc/fused_cpu.cpp``): built on first use,
 then loaded from torch's extension cache.
 
-The bottom layer beside ``_tensors.py``: it imports only torch. The fused
+The bottom layer beside ``_tensors.py``: it imports only torch and the
+core's :mod:`qhoptim.rounding` (whose C++ header the kernel includes). The fused
 steps (``_fused.py``) and the narrow state's rounding (``_state_dtype.py``) call
 the extension; :func:`cpu_kernel_available` lets a caller fall back to the
 multi-tensor kernels where it cannot be built.
@@ -23,7 +24,11 @@ from typing import Any
 
 import torch
 
+from qhoptim import rounding
+
 _CSRC = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
+#: The header the kernel includes from the core: the rounding rule in C++.
+_SHARED_HEADER = rounding.CPP_INCLUDE_DIR / "rounding.h"
 
 
 @functools.cache
@@ -54,6 +59,7 @@ def cpu_extension() -> Any:
             return cpp_extension.load(
                 name=name,
                 sources=[str(_CSRC)],
+                extra_include_paths=[str(rounding.CPP_INCLUDE_DIR)],
                 extra_cflags=_cflags(),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_directory),
@@ -109,6 +115,7 @@ def _extension_name() -> str:
     # torch builds of one version) sharing the extension cache then each keep
     # their own build instead of rebuilding the other's, even at the same time.
     digest = hashlib.sha256(_CSRC.read_bytes())
+    digest.update(_SHARED_HEADER.read_bytes())
     digest.update(str(torch.version.git_version).encode())
     digest.update(" ".join(_cflags()).encode())  # new flags, a new build
     return (
@@ -120,7 +127,7 @@ def _extension_name() -> str:
 
 def _install_tag() -> str:
     """A short digest of the paths a build's commands name: torch's and Python's
-    headers, and the source.
+    headers, the source, and the core's header folder.
 
     Two environments holding the same torch (two virtualenvs), or two checkouts
     of the same source, would write different commands into one folder, and
@@ -129,7 +136,12 @@ def _install_tag() -> str:
     """
     from torch.utils import cpp_extension
 
-    paths = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(_CSRC)]
+    paths = [
+        *cpp_extension.include_paths(),
+        sysconfig.get_paths()["include"],
+        str(_CSRC),
+        str(rounding.CPP_INCLUDE_DIR),
+    ]
     return hashlib.sha256("\0".join(paths).encode()).hexdigest()[:8]
 
 

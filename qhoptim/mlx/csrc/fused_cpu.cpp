@@ -32,6 +32,7 @@
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 #include "mlx/types/bf16.h"
+#include "rounding.h"  // qhoptim/csrc, on the include path
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -69,17 +70,8 @@ struct Config {
   }
 };
 
-// qhoptim.rounding.noise16 of the element with key position * 0x9E3779B9 under `seed`.
-inline uint32_t noise16(uint32_t key, uint32_t seed) {
-  uint32_t x = key ^ seed;
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x & 0xFFFFu;
-}
-constexpr uint32_t kGolden = 0x9E3779B9u;
+// The hash's key of an element, position * kGolden (qhoptim/csrc/rounding.h).
+using qhoptim::rounding::kGolden;
 
 // The most threads one step takes: a few cores draw all of a socket's memory
 // bandwidth.
@@ -89,11 +81,6 @@ inline float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
-}
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
 }
 
 template <Store S>
@@ -121,7 +108,7 @@ inline void store(typename StateType<S>::type* x, int64_t i, float value, uint32
   if constexpr (S == Store::kFloat32) {
     x[i] = value;
   } else if constexpr (S == Store::kBFloat16Stochastic) {
-    x[i] = static_cast<uint16_t>((float_to_bits(value) + noise16(key, seed)) >> 16);
+    x[i] = qhoptim::rounding::bfloat16_bits(value, seed, key);
   } else {
     x[i] = mx::bfloat16_t(value).bits_;
   }

@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "rounding.h"  // qhoptim/csrc, on the include path
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -82,22 +84,13 @@ void check_lists(const std::vector<at::Tensor>& params, const std::vector<at::Te
   }
 }
 
-// A 32-bit hash of a seed and an element's position (lowbias32's mixer): the
-// stochastic rounding's noise, counter-based (qhoptim.rounding.noise16), here
-// from its first product, key = position * kGolden (mod 2**32; see
-// position_key). qhoptim.torch._state_dtype.hash32 computes the same numbers
-// with torch's integer ops for the other paths.
-constexpr uint32_t kGolden = 0x9E3779B9u;
-
-inline uint32_t hash32_of_key(uint32_t seed, uint32_t key) {
-  uint32_t x = key ^ seed;
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
+// The stochastic rounding's hash of a seed and an element's key, key =
+// position * kGolden (mod 2**32; see position_key), and its rounding to
+// bfloat16: qhoptim/csrc/rounding.h, shared with the MLX backend's kernel.
+// qhoptim.torch._state_dtype.hash32 computes the same numbers with torch's
+// integer ops for the other paths.
+using qhoptim::rounding::hash32_of_key;
+using qhoptim::rounding::kGolden;
 
 // An element's position as the hash reads it: itself below 2**32, folded to
 // 32 bits beyond (FOLD: a chunk reaching past 2**32). Below, a chunk counts in
@@ -151,17 +144,12 @@ class PositionKeys {
 };
 
 // A state value stored: in the state's own dtype, or (SR) a float32 value
-// rounded stochastically to bfloat16 -- the low 16 bits of its pattern plus
-// 16 random bits carry into the kept half exactly as often as they are
-// large, which makes the rounding unbiased.
+// rounded stochastically to bfloat16 (qhoptim::rounding::bfloat16_bits).
 template <typename state_t, bool SR, typename opmath_t>
 inline state_t store(opmath_t value, uint32_t seed, uint32_t key) {
   if constexpr (SR) {
-    const float f = static_cast<float>(value);
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    bits = (bits + (hash32_of_key(seed, key) & 0xFFFFu)) & 0xFFFF0000u;
-    return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+    const uint16_t bits = qhoptim::rounding::bfloat16_bits(static_cast<float>(value), seed, key);
+    return c10::BFloat16(bits, c10::BFloat16::from_bits());
   } else {
     return static_cast<state_t>(value);
   }
