@@ -25,7 +25,8 @@ again. Schedule only ``learning_rate``.
 kernel, an MLX primitive (``csrc/fused_cpu.cpp``) that reads the parameter,
 its gradient and its state once and writes them back (in place where MLX
 donates the old arrays), float32 or bfloat16 state alike, with the same
-coefficients and the same bits as the operations' step. It is built on first
+coefficients and the same bits as the operations' step run one by one. It
+has no gradient or ``vmap`` rule. It is built on first
 use against the installed MLX (a C++ compiler and nanobind, which the ``mlx``
 extra installs; ``$QHOPTIM_CACHE_DIR`` or ``~/.cache/qhoptim`` keeps the
 build) and runs on MLX's CPU stream. A bfloat16 state steps there by default
@@ -377,8 +378,14 @@ class _QHOptimizer(_NarrowState):
         or float32 arrays, made one array once per step."""
         position = self._next_position()
         if "fused" not in self._coefficients:
+            # A value of shape (1,) (a learning rate so given) is one number too.
             self._coefficients["fused"] = mx.stack(
-                [x if isinstance(x, mx.array) else mx.array(x, dtype=mx.float32) for x in values]
+                [
+                    (x if x.ndim == 0 else x.reshape(()))
+                    if isinstance(x, mx.array)
+                    else mx.array(x, dtype=mx.float32)
+                    for x in values
+                ]
             )
         if store is _Store.BFLOAT16_STOCHASTIC:
             seeds = self._seeds_of_step()

@@ -31,12 +31,18 @@ from qhoptim import rounding
 
 _CSRC = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 
-#: ``-ffp-contract=off``: each product and sum rounded as written, as MLX's own
-#: kernels round them, so that the fused step gives the unfused step's bits
+#: ``-ffp-contract=off``: each product and sum rounded as written, as MLX's
+#: operations round them one by one, so that the fused step gives their bits
 #: (GCC contracts ``a * b + c`` into a fused multiply-add where the CPU has
-#: one, in C++ modes too). ``-march=native``: the build is for the machine
-#: that runs it (its name holds the CPU's flags).
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-std=c++20"]
+#: one, in C++ modes too). ``-march=native`` (``-mcpu=native`` on ARM): the
+#: build is for the machine that runs it (its name holds the CPU's flags).
+_NATIVE = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
+_CFLAGS = ["-O3", _NATIVE, "-fno-math-errno", "-ffp-contract=off", "-std=c++20"]
+#: macOS links an extension without Python's library: the interpreter that
+#: loads it provides the symbols.
+_LDFLAGS = ["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []
+#: A build that takes longer is given up (nanobind and the step take ~10 s).
+_BUILD_TIMEOUT_S = 600
 
 
 def _fail(reason: str) -> RuntimeError:
@@ -66,7 +72,18 @@ def fused_extension_available() -> bool:
 
 @functools.cache
 def _built() -> tuple[Any, str]:
-    """The module, or None and why not: a failed build is not tried again."""
+    """The module, or None and why not. Tried once per process; a failed
+    compilation is recorded beside where the library would be and not tried
+    again for the same source, MLX, nanobind, Python and CPU (delete the
+    ``.failed`` file to try again). Under ``fused=None`` any failure only
+    means MLX's operations step the state, so every error is caught here."""
+    try:
+        return _build_or_load()
+    except Exception as error:  # a read-only cache, a broken install: not built
+        return None, f"{type(error).__name__}: {error}"
+
+
+def _build_or_load() -> tuple[Any, str]:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return None, f"it needs a C++ compiler (`c++`, or the one $CXX names: {compiler!r})"
@@ -76,10 +93,14 @@ def _built() -> tuple[Any, str]:
         return None, "it needs nanobind (`pip install nanobind`)"
     name = _module_name(nanobind.__version__)
     library = _cache_directory() / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    failed = library.with_name(f"{name}.failed")
+    if failed.is_file():
+        return None, f"it failed to compile before ({failed}):\n{failed.read_text()}"
     if not library.is_file():
         failure = _build(compiler, nanobind, name, library)
         if failure:
-            return None, failure
+            failed.write_text(failure)
+            return None, f"compiling {_CSRC.name} failed:\n{failure}"
     try:
         module = _load(name, library)
         _smoke_test(module)
@@ -92,7 +113,10 @@ def _built() -> tuple[Any, str]:
 
 
 def _mlx_version() -> str:
-    return importlib.metadata.version("mlx")
+    try:
+        return importlib.metadata.version("mlx")
+    except importlib.metadata.PackageNotFoundError:  # MLX built from source, not installed
+        return str(Path(mx.__file__).resolve().parent)
 
 
 def _module_name(nanobind_version: str) -> str:
@@ -100,7 +124,8 @@ def _module_name(nanobind_version: str) -> str:
     # versions or two environments sharing the cache each keep their own.
     digest = hashlib.sha256(_CSRC.read_bytes())
     digest.update((rounding.CPP_INCLUDE_DIR / "rounding.h").read_bytes())
-    for part in (_mlx_version(), nanobind_version, sys.version, " ".join(_CFLAGS), _cpu()):
+    flags = " ".join([*_CFLAGS, *_LDFLAGS])
+    for part in (_mlx_version(), nanobind_version, sys.version, flags, _cpu()):
         digest.update(b"\0" + part.encode())
     return f"qhoptim_mlx_fused_cpu_{digest.hexdigest()[:12]}"
 
@@ -127,8 +152,8 @@ def _cache_directory() -> Path:
 
 
 def _build(compiler: str, nanobind: Any, name: str, library: Path) -> str:
-    """Compile the step and nanobind's own sources into ``library``; what
-    failed, or "" where it was built.
+    """Compile the step and nanobind's own sources into ``library``; the
+    command and what the compiler said where it failed, or "" where it was built.
 
     Written to a temporary file and renamed into place: two processes building
     at once each write their own, and a reader never sees half a library.
@@ -161,12 +186,18 @@ def _build(compiler: str, nanobind: Any, name: str, library: Path) -> str:
             f"-L{mlx_root / 'lib'}",
             "-lmlx",
             f"-Wl,-rpath,{mlx_root / 'lib'}",
+            *_LDFLAGS,
             "-o",
             str(output),
         ]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        try:
+            result = subprocess.run(
+                command, capture_output=True, text=True, check=False, timeout=_BUILD_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return f"the compiler ran past {_BUILD_TIMEOUT_S} s: {' '.join(command)}"
         if result.returncode != 0:
-            return f"compiling {_CSRC.name} failed:\n{result.stderr[-4000:]}"
+            return f"{' '.join(command)}\n{result.stderr[-4000:]}"
         os.replace(output, library)
     return ""
 

@@ -15,23 +15,25 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <algorithm>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#ifdef __linux__
+#include <sched.h>
+#endif
+
 #include "mlx/allocator.h"
 #include "mlx/array.h"
-#include "mlx/backend/cpu/copy.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
-#include "mlx/types/bf16.h"
 #include "rounding.h"  // qhoptim/csrc, on the include path
 
 namespace nb = nanobind;
@@ -83,6 +85,17 @@ inline float bits_to_float(uint32_t u) {
   return f;
 }
 
+// MLX's own float32-to-bfloat16 conversion (mlx/types/bf16.h), written out:
+// where the compiler has a native bfloat16 type (ARM's BF16 extension), MLX's
+// header takes that one instead, whose conversion is the hardware's.
+inline uint16_t bfloat16_nearest_bits(float value) {
+  if (std::isnan(value)) return 0x7FC0;  // MLX's NaN
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits += ((bits >> 16) & 1u) + 0x7FFFu;  // to nearest, ties to even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 template <Store S>
 struct StateType {
   using type = uint16_t;  // a bfloat16's bits
@@ -110,7 +123,7 @@ inline void store(typename StateType<S>::type* x, int64_t i, float value, uint32
   } else if constexpr (S == Store::kBFloat16Stochastic) {
     x[i] = qhoptim::rounding::bfloat16_bits(value, seed, key);
   } else {
-    x[i] = mx::bfloat16_t(value).bits_;
+    x[i] = bfloat16_nearest_bits(value);
   }
 }
 
@@ -217,6 +230,16 @@ void run(const Arrays<S>& a, int64_t first, int64_t n, const float* c, const Con
 #undef QHOPTIM_QHADAM
 }
 
+// The cores this process may run on (its affinity mask on Linux, where a
+// container's limit shows), at least 1.
+inline int64_t usable_cores() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
 // The step on raw memory: `outs` the states, then the parameter, each holding
 // its old values. A large array is stepped in slices on several threads (MLX
 // runs each CPU operation on one): a step moves memory, and one core does not
@@ -224,16 +247,17 @@ void run(const Arrays<S>& a, int64_t first, int64_t n, const float* c, const Con
 template <Store S>
 void run_on(const std::vector<void*>& outs, const float* grad, int64_t n, const float* c,
             const Config& cfg, const uint32_t* seeds) {
+  if (n == 0) return;
   using T = typename StateType<S>::type;
   const size_t states = outs.size() - 1;
   Arrays<S> a{static_cast<float*>(outs[states]), grad, {}};
   for (size_t k = 0; k < states; ++k) a.state[k] = static_cast<T*>(outs[k]);
   constexpr int64_t kPerThread = int64_t{1} << 16;  // below, a thread costs more than it saves
-  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t cores = usable_cores();
   const int64_t threads = std::min({cores, kMaxThreads, std::max<int64_t>(1, n / kPerThread)});
   if (threads == 1) return run<S>(a, 0, n, c, cfg, seeds);
-  // Slices of whole 64-byte lines (64 values: 16 float32s, 32 bfloat16s a
-  // line), so that no two threads write one line.
+  // Slices of a multiple of 64 values (4 lines of float32s, 2 of
+  // bfloat16s), so that no two threads write one 64-byte line.
   const int64_t slice = ((n + threads - 1) / threads + 63) / 64 * 64;
   std::vector<std::thread> workers;
   for (int64_t first = slice; first < n; first += slice) {
@@ -312,12 +336,20 @@ class FusedStep : public mx::Primitive {
     }
     for (const auto& x : inputs) encoder.set_input_array(x);
     for (auto& x : outputs) encoder.set_output_array(x);
-    // The task runs after the inputs' own computations (this stream's order)
-    // and holds them until it has read them.
-    encoder.dispatch([in = inputs, out_data = std::move(out_data), donated = std::move(donated),
+    // The task runs after the inputs' own computations (this stream's order).
+    // The task reads the inputs through weak copies (their buffers, not
+    // their graph nodes, as MLX's own kernels do): MLX keeps the buffers alive
+    // until the stream has run the task, and a strong copy would count as one
+    // more reader of each input until then, and free graph nodes on the
+    // stream's thread.
+    std::vector<mx::array> in;
+    in.reserve(inputs.size());
+    for (const auto& x : inputs) in.push_back(mx::array::unsafe_weak_copy(x));
+    encoder.dispatch([in = std::move(in), out_data = std::move(out_data), donated = std::move(donated),
                       n = static_cast<int64_t>(outputs[0].size()), cfg = cfg_]() {
       const size_t states = out_data.size() - 1;
       std::vector<std::vector<char>> scratch;
+      if (n == 0) return;
       for (size_t k = 0; k <= states; ++k) {  // the old values where MLX did not donate them
         if (donated[k]) continue;
         const mx::array& source = in[k == states ? 0 : 2 + k];
