@@ -240,3 +240,22 @@ def test_a_failed_compilation_is_recorded_and_not_tried_again(
     assert "the compiler said no" in reason
     assert len(attempts) == 1
     assert [p.suffix for p in (tmp_path / "mlx").iterdir()] == [".failed"]
+
+
+def test_a_shapeless_compiled_step_takes_the_kernel() -> None:
+    # The primitive states its outputs' shapes (MLX's view, which the
+    # operations' bfloat16 rounding needs, cannot), so shapeless=True compiles.
+    opt = qhmlx.QHAdam(1e-2, nus=(0.7, 1.0), state_dtype=mx.bfloat16, fused=True)
+    eager = qhmlx.QHAdam(1e-2, nus=(0.7, 1.0), state_dtype=mx.bfloat16, fused=True)
+    params = _params()
+    opt.init(params)
+    state = [opt.state]
+    step = mx.compile(
+        lambda p, g: opt.apply_gradients(g, p), inputs=state, outputs=state, shapeless=True
+    )
+    compiled, plain = params, params
+    for t in range(3):
+        compiled = step(compiled, _grads(t))
+        plain = eager.apply_gradients(_grads(t), plain)
+    for key in SHAPES:
+        np.testing.assert_array_equal(np.array(compiled[key]), np.array(plain[key]))

@@ -336,12 +336,11 @@ class FusedStep : public mx::Primitive {
     }
     for (const auto& x : inputs) encoder.set_input_array(x);
     for (auto& x : outputs) encoder.set_output_array(x);
-    // The task runs after the inputs' own computations (this stream's order).
-    // The task reads the inputs through weak copies (their buffers, not
-    // their graph nodes, as MLX's own kernels do): MLX keeps the buffers alive
-    // until the stream has run the task, and a strong copy would count as one
-    // more reader of each input until then, and free graph nodes on the
-    // stream's thread.
+    // The task runs after the inputs' own computations (this stream's order)
+    // and reads them through weak copies (their buffers, not their graph
+    // nodes, as MLX's own kernels do): MLX keeps the buffers alive until the
+    // stream has run it, and a strong copy would count as one more reader of
+    // each input until then, and free graph nodes on the stream's thread.
     std::vector<mx::array> in;
     in.reserve(inputs.size());
     for (const auto& x : inputs) in.push_back(mx::array::unsafe_weak_copy(x));
