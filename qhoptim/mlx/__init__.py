@@ -320,6 +320,9 @@ class _QHOptimizer(_NarrowState):
 
     def apply_gradients(self, gradients: dict[str, Any], parameters: dict[str, Any]) -> Any:
         self._coefficients: dict[Any, Any] = {}
+        # What the C++ step reads that is the same for every parameter of a
+        # step (_kernel_step), made on first need.
+        self._kernel_step: dict[str, Any] = {}
         return super().apply_gradients(gradients, parameters)
 
     def _coefficients_for(self, dtype: mx.Dtype) -> Any:
@@ -363,23 +366,30 @@ class _QHOptimizer(_NarrowState):
             store = _Store.FLOAT32
         else:
             return None
-        if self.fused is None and not (
-            mx.default_device() == mx.cpu and _extension.fused_extension_available()
-        ):
-            return None
+        if self.fused is None:
+            if "by default" not in self._kernel_step:  # asked once a step, and only here
+                self._kernel_step["by default"] = (
+                    mx.default_device() == mx.cpu and _extension.fused_extension_available()
+                )
+            if not self._kernel_step["by default"]:
+                return None
         return store
 
+    def _kernel_inputs(self) -> tuple[list[Any], dict[str, Any]]:
+        """The step's coefficients in the C++ step's layout (``csrc/fused_cpu.cpp``),
+        numbers or float32 arrays, and its form (which terms the loop computes)."""
+        raise NotImplementedError
+
     def _fused_step(
-        self, gradient: mx.array, parameter: mx.array, stored: list[mx.array], store: _Store,
-        values: list[Any], **form: Any,
-    ) -> list[mx.array]:  # fmt: skip
-        """The new states and parameter from the C++ step; ``values``: the
-        coefficients in the kernel's layout (``csrc/fused_cpu.cpp``), numbers
-        or float32 arrays, made one array once per step."""
+        self, gradient: mx.array, parameter: mx.array, stored: list[mx.array], store: _Store
+    ) -> list[mx.array]:
+        """The new states and parameter from the C++ step (``store``: from
+        :meth:`_kernel_store`). Its coefficients are one array, made once per step."""
         position = self._next_position()
-        if "fused" not in self._coefficients:
+        if "coefficients" not in self._kernel_step:
+            values, self._kernel_step["form"] = self._kernel_inputs()
             # A value of shape (1,) (a learning rate so given) is one number too.
-            self._coefficients["fused"] = mx.stack(
+            self._kernel_step["coefficients"] = mx.stack(
                 [
                     (x if x.ndim == 0 else x.reshape(()))
                     if isinstance(x, mx.array)
@@ -390,10 +400,11 @@ class _QHOptimizer(_NarrowState):
         if store is _Store.BFLOAT16_STOCHASTIC:
             seeds = self._seeds_of_step()
         else:  # read by no step
-            seeds = self._coefficients.setdefault("no seeds", mx.zeros((0,), dtype=mx.uint32))
+            seeds = self._kernel_step.setdefault("no seeds", mx.zeros((0,), dtype=mx.uint32))
         outputs: list[mx.array] = _extension.fused_extension().fused_step(
-            parameter, gradient, stored, self._coefficients["fused"], seeds,
-            store=store.value, first_seed=rounding.state_index(position), **form,
+            parameter, gradient, stored, self._kernel_step["coefficients"], seeds,
+            store=store.value, first_seed=rounding.state_index(position),
+            **self._kernel_step["form"],
         )  # fmt: skip
         return outputs
 
@@ -487,23 +498,25 @@ class QHM(_QHOptimizer):
     def apply_single(
         self, gradient: mx.array, parameter: mx.array, state: dict[str, Any]
     ) -> mx.array:
-        lr, factor = self._coefficients_for(parameter.dtype)
         (buf,) = self._held([state["momentum_buffer"]], parameter)
         store = self._kernel_store(gradient, parameter, [buf])
         if store is not None:
-            coupled_wd = self._coupled_weight_decay()
-            state["momentum_buffer"], parameter = self._fused_step(
-                gradient, parameter, [buf], store,
-                [*rules.qhm_coefficients(self.momentum, self.nu), lr, factor, coupled_wd],
-                qhadam=False, denominator=0, grad_term=True, coupled=coupled_wd != 0,
-                decay=not _is_number(factor, 1),
-            )  # fmt: skip
+            buf, parameter = self._fused_step(gradient, parameter, [buf], store)
+            state["momentum_buffer"] = buf
             return parameter
+        lr, factor = self._coefficients_for(parameter.dtype)
         state["momentum_buffer"], parameter = _qhm_step(
             gradient, parameter, buf, lr, factor,
             self.momentum, self.nu, self._coupled_weight_decay(), self._noise([buf], parameter),
         )  # fmt: skip
         return parameter
+
+    def _kernel_inputs(self) -> tuple[list[Any], dict[str, Any]]:
+        lr, factor = self._coefficients_for(mx.float32)
+        coupled_wd = self._coupled_weight_decay()
+        values = [*rules.qhm_coefficients(self.momentum, self.nu), lr, factor, coupled_wd]
+        form = {"qhadam": False, "denominator": 0, "grad_term": True}
+        return values, {**form, "coupled": coupled_wd != 0, "decay": not _is_number(factor, 1)}
 
     def _step_coefficients(self, dtype: mx.Dtype) -> tuple[mx.array, Any]:
         """This step's learning rate and decoupled decay factor, in ``dtype``."""
@@ -629,26 +642,32 @@ class QHAdam(_QHOptimizer):
         folded = rules.fold_qhadam(c, lr, self.eps, form, factor_out=one_term, sqrt=_sqrt)
         return rules.FoldedQHAdam(*map(_materialized, folded)), self._decay_factor(lr)
 
+    def _kernel_inputs(self) -> tuple[list[Any], dict[str, Any]]:
+        folded, factor = self._coefficients_for(mx.float32)
+        (b1, b2), coupled_wd = self.betas, self._coupled_weight_decay()
+        values = [b1, 1 - b1, b2, 1 - b2, *folded[1:], factor, coupled_wd]
+        form = {
+            "qhadam": True,
+            "denominator": _DENOMINATORS[folded.denominator],
+            "grad_term": not _is_number(folded.grad_value, 0),
+            "coupled": coupled_wd != 0,
+            "decay": not _is_number(factor, 1),
+        }
+        return values, form
+
     def apply_single(
         self, gradient: mx.array, parameter: mx.array, state: dict[str, Any]
     ) -> mx.array:
-        folded, factor = self._coefficients_for(parameter.dtype)
         if self.amsgrad and "v_max" not in state:  # amsgrad switched on for a stepped state
             state["v_max"] = mx.zeros_like(state["v"])  # max(0, v) = v, as torch's (its dtype)
         keys = ("m", "v", "v_max") if self.amsgrad else ("m", "v")
         stored = self._held([state[k] for k in keys], parameter)
         store = self._kernel_store(gradient, parameter, stored)
         if store is not None:
-            (b1, b2), coupled_wd = self.betas, self._coupled_weight_decay()
-            *moments, parameter = self._fused_step(
-                gradient, parameter, stored, store,
-                [b1, 1 - b1, b2, 1 - b2, *folded[1:], factor, coupled_wd],
-                qhadam=True, denominator=_DENOMINATORS[folded.denominator],
-                grad_term=not _is_number(folded.grad_value, 0), coupled=coupled_wd != 0,
-                decay=not _is_number(factor, 1),
-            )  # fmt: skip
+            *moments, parameter = self._fused_step(gradient, parameter, stored, store)
             state.update(zip(keys, moments, strict=True))
             return parameter
+        folded, factor = self._coefficients_for(parameter.dtype)
         *moments, parameter = _qhadam_step(
             gradient, parameter, stored[0], stored[1], stored[2] if self.amsgrad else None,
             folded.denominator.value, tuple(folded[1:]), factor, *self.betas,

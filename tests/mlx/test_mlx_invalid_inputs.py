@@ -15,10 +15,12 @@ CASES = [(family, cls, e) for family, cls in FAMILIES for e in INVALID if e.appl
 IDS = [f"{cls.__name__}-{entry.id}" for _, cls, entry in CASES]
 
 
+@pytest.mark.parametrize("fused", [None, False, True], ids=["default", "operations", "fused"])
 @pytest.mark.parametrize(("family", "cls", "entry"), CASES, ids=IDS)
-def test_constructor_rejects(family: str, cls: type, entry: Invalid) -> None:
+def test_constructor_rejects(family: str, cls: type, entry: Invalid, fused: bool | None) -> None:
+    # Every path (MLX's operations, the C++ step) is refused alike, before any step.
     with pytest.raises(entry.error, match=pattern(entry, NAMES["mlx"][entry.param])):
-        cls(**backend_kwargs("mlx", family, entry))
+        cls(**backend_kwargs("mlx", family, entry), fused=fused)
 
 
 def test_every_mlx_argument_of_the_table_is_tried() -> None:
