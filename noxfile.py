@@ -497,9 +497,9 @@ def optax(session: nox.Session) -> None:
     # Type-checked once: mypy checks as Python 3.10 (pyproject) whichever Python
     # runs it, and on 3.13 it is another 50 MB build of mypy and its own cache.
     if session.python == PYTHON:
-        _typecheck(session, "qhoptim/optax.py")
+        _typecheck(session, "qhoptim/optax")
     _pytest_with_conformance(session, "tests/optax", "tests/test_packaging.py", tables=("optax",))
-    _doctests(session, "qhoptim/optax.py")
+    _doctests(session, "qhoptim/optax/__init__.py")
 
 
 # Each Keras session installs Keras and its backend's framework, nothing else

@@ -78,7 +78,7 @@ __all__ = [
 STATE_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 #: The folder of ``rounding.h``: the rule's hash and bfloat16 rounding in C++,
-#: which the fused CPU kernels of the torch and MLX backends include.
+#: which the CPU kernels of the torch, MLX and optax backends include.
 CPP_INCLUDE_DIR = Path(__file__).with_name("csrc")
 
 MASK32 = 0xFFFFFFFF

@@ -57,6 +57,10 @@ LAYERS: dict[str, dict[str, int]] = {
         "_extension": 1,  # building and loading csrc/fused_cpu.cpp
         "__init__": 2,  # the optimizers
     },
+    "qhoptim.optax": {
+        "_extension": 1,  # building and registering csrc/state_cpu.cpp
+        "__init__": 2,  # the transformations
+    },
 }
 
 #: The backends: each is a module or package of ``qhoptim``; the rest is the core.

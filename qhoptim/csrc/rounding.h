@@ -1,8 +1,8 @@
 // qhoptim.rounding's stochastic rounding to bfloat16, in C++: the same bits
-// as qhoptim/rounding.py, for the fused CPU kernels of the torch and MLX
-// backends (qhoptim/torch/csrc, qhoptim/mlx/csrc), which include it. Their
-// vectorized forms of the hash are written beside their loops and tested
-// against these.
+// as qhoptim/rounding.py, for the CPU kernels of the torch, MLX and optax
+// backends (qhoptim/torch/csrc, qhoptim/mlx/csrc, qhoptim/optax/csrc), which
+// include it. Their vectorized forms of the hash are written beside their
+// loops and tested against these.
 
 #pragma once
 

@@ -222,26 +222,6 @@ def test_a_learning_rate_of_shape_1_steps_as_a_number() -> None:
         np.testing.assert_array_equal(np.array(got[key]), np.array(want[key]))
 
 
-def test_a_failed_compilation_is_recorded_and_not_tried_again(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
-) -> None:
-    monkeypatch.setenv("QHOPTIM_CACHE_DIR", str(tmp_path))
-    attempts = []
-
-    def failing(*args: Any) -> str:
-        attempts.append(args)
-        return "c++: error: the compiler said no"
-
-    monkeypatch.setattr(_extension, "_build", failing)
-    module, reason = _extension._build_or_load()
-    assert module is None and "the compiler said no" in reason
-    module, reason = _extension._build_or_load()
-    assert module is None and "failed to compile before" in reason
-    assert "the compiler said no" in reason
-    assert len(attempts) == 1
-    assert [p.suffix for p in (tmp_path / "mlx").iterdir()] == [".failed"]
-
-
 def test_a_shapeless_compiled_step_takes_the_kernel() -> None:
     # The primitive states its outputs' shapes (MLX's view, which the
     # operations' bfloat16 rounding needs, cannot), so shapeless=True compiles.

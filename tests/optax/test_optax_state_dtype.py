@@ -20,6 +20,7 @@ from conformance.adapters.optax import make_transformation
 from conformance.cases import eight_bit_tolerance, narrow_state_cases, narrow_state_tolerance
 from conformance.problems import get_problem
 from qhoptim import rounding
+from qhoptim.optax import _extension
 
 BF16, U8 = jnp.bfloat16, jnp.uint8
 OPTIMIZERS = {
@@ -65,14 +66,29 @@ def test_the_state_is_stored_in_bfloat16_at_half_the_bytes(name: str) -> None:
         assert narrow_bytes == 4 * sum(p.size for p in params.values())
 
 
-def test_the_rounding_is_the_rule_every_backend_follows() -> None:
+#: Where a bfloat16 state is stepped: XLA's operations, or the C++ custom
+#: call where it builds (test_optax_fused.py).
+FUSED = [
+    False,
+    pytest.param(
+        True,
+        marks=pytest.mark.skipif(
+            not _extension.state_extension_available(),
+            reason="the C++ state step does not build here",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=["xla", "fused"])
+def test_the_rounding_is_the_rule_every_backend_follows(fused: bool) -> None:
     # QHM with momentum 0 stores the gradient itself, rounded; the leaf at
     # position 1 of the pytree ("b": keys are sorted) is state index 4 * 1.
     # Three dimensions: each element's row-major position counts its strides.
     params = {"a": jnp.zeros(3), "b": jnp.zeros((5, 10, 7)), "c": jnp.zeros(2)}
     g = jnp.asarray(np.random.default_rng(3).standard_normal((5, 10, 7)), jnp.float32) * 1e-3
     grads = {"a": jnp.ones(3), "b": g, "c": jnp.ones(2)}
-    tx = qho.scale_by_qhm(momentum=0.0, nu=0.7, state_dtype=BF16)
+    tx = qho.scale_by_qhm(momentum=0.0, nu=0.7, state_dtype=BF16, fused=fused)
     state = tx.init(params)
     for step in (1, 2):
         _, state = jax.jit(tx.update)(grads, state)
@@ -82,10 +98,17 @@ def test_the_rounding_is_the_rule_every_backend_follows() -> None:
         assert not np.array_equal(stored, np.asarray(g.astype(BF16)).view(np.uint16))
 
 
-@pytest.mark.parametrize("state_dtype", [BF16, U8], ids=["bfloat16", "8-bit"])
+NARROW = [
+    pytest.param({"state_dtype": BF16, "fused": False}, id="bfloat16"),
+    pytest.param({"state_dtype": BF16, "fused": True}, id="bfloat16-fused", marks=FUSED[1].marks),
+    pytest.param({"state_dtype": U8}, id="8-bit"),
+]
+
+
+@pytest.mark.parametrize("options", NARROW)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_resumed_run_rounds_as_the_uninterrupted_one(name: str, state_dtype: Any) -> None:
-    tx = OPTIMIZERS[name](state_dtype=state_dtype)
+def test_a_resumed_run_rounds_as_the_uninterrupted_one(name: str, options: dict[str, Any]) -> None:
+    tx = OPTIMIZERS[name](**options)
     params = _params()
     straight = _run(tx, params, tx.init(params), range(10))[0]
     half_params, half_state = _run(tx, params, tx.init(params), range(5))
@@ -165,13 +188,27 @@ def test_the_plain_state_is_refused_where_the_counted_one_is_needed() -> None:
         qho.scale_by_qhm(state_dtype=BF16).update(_grads(params, 0), plain_state)
 
 
-@pytest.mark.parametrize("state_dtype", [BF16, U8], ids=["bfloat16", "8-bit"])
-@pytest.mark.parametrize(
-    "case", narrow_state_cases() + narrow_state_cases(("qhmuon",)), ids=lambda c: c.name
-)
+def _narrow_state_runs() -> list[Any]:
+    """Each conformance case with each narrow state; QHMuon's buffer has no
+    C++ step (its step is matrix products), so no ``fused`` for it."""
+    runs = []
+    for case in narrow_state_cases() + narrow_state_cases(("qhmuon",)):
+        for option in NARROW:
+            options = dict(option.values[0])
+            if case.optimizer == "qhmuon":
+                if options.pop("fused", False):
+                    continue
+            runs.append(
+                pytest.param(case, options, id=f"{option.id}-{case.name}", marks=option.marks)
+            )
+    return runs
+
+
+@pytest.mark.parametrize(("case", "options"), _narrow_state_runs())
 def test_narrow_state_follows_float32_state_on_the_conformance_problems(
-    case: Any, state_dtype: Any
+    case: Any, options: dict[str, Any]
 ) -> None:
+    state_dtype = options["state_dtype"]
     problem = get_problem(case.problem_name)
 
     def trajectory(**options: Any) -> np.ndarray:
@@ -187,7 +224,7 @@ def test_narrow_state_follows_float32_state_on_the_conformance_problems(
             out.append(problem.join([np.asarray(p, np.float64) for p in params]))
         return np.array(out)
 
-    wide, narrow = trajectory(), trajectory(state_dtype=state_dtype)
+    wide, narrow = trajectory(), trajectory(**options)
     relative = np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)
     bound = narrow_state_tolerance(case) if state_dtype == BF16 else eight_bit_tolerance(case)
     assert relative.max() <= bound

@@ -22,12 +22,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
-
-#ifdef __linux__
-#include <sched.h>
-#endif
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -35,6 +30,7 @@
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 #include "rounding.h"  // qhoptim/csrc, on the include path
+#include "slices.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -74,10 +70,6 @@ struct Config {
 
 // The hash's key of an element, position * kGolden (qhoptim/csrc/rounding.h).
 using qhoptim::rounding::kGolden;
-
-// The most threads one step takes: a few cores draw all of a socket's memory
-// bandwidth.
-constexpr int64_t kMaxThreads = 8;
 
 inline float bits_to_float(uint32_t u) {
   float f;
@@ -230,41 +222,17 @@ void run(const Arrays<S>& a, int64_t first, int64_t n, const float* c, const Con
 #undef QHOPTIM_QHADAM
 }
 
-// The cores this process may run on (its affinity mask on Linux, where a
-// container's limit shows), at least 1.
-inline int64_t usable_cores() {
-#ifdef __linux__
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
 // The step on raw memory: `outs` the states, then the parameter, each holding
-// its old values. A large array is stepped in slices on several threads (MLX
-// runs each CPU operation on one): a step moves memory, and one core does not
-// draw all the bandwidth there is.
+// its old values; a large array in slices on several threads
+// (qhoptim/csrc/slices.h).
 template <Store S>
 void run_on(const std::vector<void*>& outs, const float* grad, int64_t n, const float* c,
             const Config& cfg, const uint32_t* seeds) {
-  if (n == 0) return;
   using T = typename StateType<S>::type;
   const size_t states = outs.size() - 1;
   Arrays<S> a{static_cast<float*>(outs[states]), grad, {}};
   for (size_t k = 0; k < states; ++k) a.state[k] = static_cast<T*>(outs[k]);
-  constexpr int64_t kPerThread = int64_t{1} << 16;  // below, a thread costs more than it saves
-  const int64_t cores = usable_cores();
-  const int64_t threads = std::min({cores, kMaxThreads, std::max<int64_t>(1, n / kPerThread)});
-  if (threads == 1) return run<S>(a, 0, n, c, cfg, seeds);
-  // Slices of a multiple of 64 values (4 lines of float32s, 2 of
-  // bfloat16s), so that no two threads write one 64-byte line.
-  const int64_t slice = ((n + threads - 1) / threads + 63) / 64 * 64;
-  std::vector<std::thread> workers;
-  for (int64_t first = slice; first < n; first += slice) {
-    workers.emplace_back([&, first] { run<S>(a, first, std::min(slice, n - first), c, cfg, seeds); });
-  }
-  run<S>(a, 0, std::min(slice, n), c, cfg, seeds);
-  for (auto& worker : workers) worker.join();
+  qhoptim::slices::for_each_slice(n, [&](int64_t first, int64_t count) { run<S>(a, first, count, c, cfg, seeds); });
 }
 
 // ``x``'s data where it is row-contiguous; else its elements gathered in

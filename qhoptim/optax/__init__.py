@@ -14,7 +14,9 @@ optimizer; ``from_params`` builds one from a :mod:`qhoptim.convert` result::
     tx = qho.from_params(convert.from_nesterov(lr=0.01, momentum=0.9))  # sgd(nesterov=True)
 
 The math of every step comes from :mod:`qhoptim.rules`; this module only maps it
-over pytrees, keeps optax's state and dtype conventions, and lets XLA fuse it.
+over pytrees, keeps optax's state and dtype conventions, and lets XLA fuse it
+-- but for a bfloat16 state's moving averages on the CPU, which one C++ custom
+call per step steps and rounds (``fused``; :mod:`qhoptim.optax._extension`).
 
 References:
   Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
@@ -39,6 +41,7 @@ except ImportError as error:  # pragma: no cover - exercised where JAX or optax 
     ) from error
 
 from qhoptim import convert, rounding, rules, validation
+from qhoptim.optax import _extension
 
 __all__ = [
     "EightBitArray",
@@ -415,6 +418,75 @@ def decoded_state(state: Any) -> Any:
     return jax.tree.map(read, state, is_leaf=lambda x: isinstance(x, EightBitArray))
 
 
+# ------------------------------------------------------ the C++ state step
+def _check_fused(fused: Any, state_dtype: Any, stochastic: bool) -> None:
+    if fused is not None:
+        validation.check_bool(fused, "fused")
+    if fused and not (state_dtype == jnp.bfloat16 and stochastic):
+        raise ValueError(
+            "fused=True stores a bfloat16 state rounded stochastically in C++ "
+            "(state_dtype=jnp.bfloat16, stochastic_rounding None or True); received "
+            f"state_dtype={None if state_dtype is None else jnp.dtype(state_dtype).name!r}, "
+            f"stochastic_rounding={stochastic}"
+        )
+
+
+def _state_target(fused: bool | None, state_dtype: Any, stochastic: bool) -> str | None:
+    """The custom call that stores this step's bfloat16 states on the CPU
+    (:mod:`qhoptim.optax._extension`), or None for XLA's operations: under
+    ``fused=True`` (built here, or an error), or ``fused=None`` where it builds."""
+    if fused is False or state_dtype != jnp.bfloat16 or not stochastic:
+        return None
+    if fused:
+        return _extension.state_extension()
+    return _extension.TARGET if _extension.state_extension_available() else None
+
+
+class _Pending(NamedTuple):
+    """A parameter whose bfloat16 states the C++ step stores: its gradient,
+    stored states and their seeds, and the same states stored by XLA's
+    operations (``in_xla()``, the path off the CPU)."""
+
+    grad: jax.Array
+    stored: list[jax.Array]
+    seeds: list[jax.Array]
+    in_xla: Callable[[], list[Any]]
+
+
+def _stepped_states(
+    target: str, weights: tuple[Any, ...], pending: list[_Pending]
+) -> list[list[jax.Array]]:
+    """The new bfloat16 states of the ``pending`` parameters: stepped and
+    stored by one call of the custom call ``target`` where the step runs on
+    the CPU, else each parameter's ``in_xla()``.
+
+    ``weights`` are each moving average's decay and the weight of what it
+    averages (:func:`qhoptim.rules.qhadam_moment_weights`'s order), in
+    float32 as the operations use them. The update itself stays with XLA,
+    which fuses it into ``optax.apply_updates``; it reads the stored states
+    too, so the new ones are written beside them, not over them (an in-place
+    call would make XLA copy each state first).
+    """
+    if not pending:
+        return []
+    count = len(pending[0].stored)
+    coefficients = jnp.stack([jnp.asarray(w, jnp.float32) for w in weights])
+    seeds = jnp.stack([seed for leaf in pending for seed in leaf.seeds])
+    grads = [leaf.grad for leaf in pending]
+    stored = [x for leaf in pending for x in leaf.stored]
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in stored]  # type: ignore[no-untyped-call]
+
+    def on_cpu(*arrays: jax.Array) -> list[jax.Array]:
+        call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
+        return list(call(coefficients, seeds, *arrays, states=np.int64(count)))
+
+    def elsewhere(*arrays: jax.Array) -> list[jax.Array]:
+        return [x for leaf in pending for x in leaf.in_xla()]
+
+    flat = jax.lax.platform_dependent(*grads, *stored, cpu=on_cpu, default=elsewhere)
+    return [flat[i * count : (i + 1) * count] for i in range(len(pending))]
+
+
 def _check_learning_rate(learning_rate: ScalarOrSchedule) -> ScalarOrSchedule:
     """The checked learning rate; a concrete scalar (a one-element array) as a float."""
     if callable(learning_rate):
@@ -430,6 +502,7 @@ def scale_by_qhm(
     accumulator_dtype: Any | None = None,
     state_dtype: Any | None = None,
     stochastic_rounding: bool | None = None,
+    fused: bool | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescale updates by quasi-hyperbolic momentum (QHM).
 
@@ -461,6 +534,14 @@ def scale_by_qhm(
         bytes). Not with ``accumulator_dtype``; not wider than the parameters.
       stochastic_rounding: with ``state_dtype``: ``None`` (stochastic for
         bfloat16 and 8 bits) or a bool; ``False`` rounds to nearest.
+      fused: where a bfloat16 state (rounded stochastically) of a float32
+        parameter is stepped on the CPU. ``None`` (default): in one C++ pass,
+        an XLA custom call built on first use (``csrc/state_cpu.cpp``; a C++
+        compiler is needed, else XLA's operations); ``True``: the same, and an
+        error where it cannot be built; ``False``: XLA's operations. The update
+        is XLA's on every path, and so is every other platform's step. The
+        same rule, not always the same bits: XLA may contract a product and a
+        sum into one fused multiply-add, the C++ step never does.
 
     Returns:
       A :class:`optax.GradientTransformation` with state :class:`ScaleByQHMState`
@@ -483,6 +564,10 @@ def scale_by_qhm(
     stochastic = rounding.stochastic(
         None if state_dtype is None else jnp.dtype(state_dtype).name, stochastic_rounding
     )
+    _check_fused(fused, state_dtype, stochastic)
+
+    def _stored(value: jax.Array, like: Any, seed: jax.Array) -> list[Any]:
+        return [_store(value, like, seed, stochastic)]
 
     def init_fn(params: optax.Params) -> ScaleByQHMState | ScaleByQHMCountState:
         if state_dtype is None:
@@ -507,6 +592,9 @@ def scale_by_qhm(
                     f"(from its init); received {type(state).__name__}"
                 )
             count = optax.safe_increment(state.count)
+        target = _state_target(fused, state_dtype, stochastic)
+        pending: list[_Pending] = []  # the parameters the C++ step stores
+        slots: list[int] = []  # their positions
         new_updates: list[Any] = []
         new_buffers: list[Any] = []
         for position, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
@@ -524,7 +612,19 @@ def scale_by_qhm(
                 new_buffers.append(b.astype(dtype))
             else:
                 seed = _rounding_seed(count, rounding.state_index(position))
-                new_buffers.append(_store(b, buf, seed, stochastic))
+                if target is None or g.dtype != jnp.float32:
+                    new_buffers.append(_store(b, buf, seed, stochastic))
+                    continue
+                slots.append(len(new_buffers))
+                new_buffers.append(None)
+                pending.append(_Pending(g, [buf], [seed], functools.partial(_stored, b, buf, seed)))
+        if pending and target is not None:
+            c = rules.qhm_coefficients(_cast(momentum, jnp.float32), _cast(nu, jnp.float32))
+            weights = (c.buffer_decay, c.grad_to_buffer, 0.0, 0.0)
+            for slot, (stepped,) in zip(
+                slots, _stepped_states(target, weights, pending), strict=True
+            ):
+                new_buffers[slot] = stepped
         buffer_tree = jax.tree.unflatten(treedef, new_buffers)
         new_state: ScaleByQHMState | ScaleByQHMCountState
         if count is None:
@@ -547,6 +647,7 @@ def scale_by_qhadam(
     amsgrad: bool = False,
     state_dtype: Any | None = None,
     stochastic_rounding: bool | None = None,
+    fused: bool | None = None,
 ) -> optax.GradientTransformation:
     r"""Rescale updates according to QHAdam.
 
@@ -603,6 +704,8 @@ def scale_by_qhadam(
         Not with ``mu_dtype``; not wider than the parameters.
       stochastic_rounding: with ``state_dtype``: ``None`` (stochastic for
         bfloat16 and 8 bits) or a bool; ``False`` rounds to nearest.
+      fused: where bfloat16 moments are stepped on the CPU, as in
+        :func:`scale_by_qhm`.
 
     Returns:
       A :class:`optax.GradientTransformation` with state
@@ -629,6 +732,7 @@ def scale_by_qhadam(
     state_name = None if state_dtype is None else jnp.dtype(state_dtype).name
     rounding.check_second_moment_dtype(state_name)
     stochastic = rounding.stochastic(state_name, stochastic_rounding)
+    _check_fused(fused, state_dtype, stochastic)
 
     def init_fn(params: optax.Params) -> ScaleByQHAdamState | ScaleByQHAdamAmsgradState:
         count = jnp.zeros([], jnp.int32)
@@ -668,6 +772,9 @@ def scale_by_qhadam(
             maxes = _leaves_like(treedef, state.nu_max, "nu_max")
         else:
             maxes = [None] * len(grads)
+        target = _state_target(fused, state_dtype, stochastic)
+        pending: list[_Pending] = []  # the parameters the C++ step stores
+        slots: list[int] = []  # their positions
         new_updates: list[Any] = []
         new_exp_avgs: list[Any] = []
         new_exp_avg_sqs: list[Any] = []
@@ -716,10 +823,34 @@ def scale_by_qhadam(
                 _rounding_seed(count, rounding.state_index(position, k))
                 for k in range(3 if amsgrad else 2)
             ]
-            new_exp_avgs.append(_store(next_exp_avg, stored[0], seeds[0], stochastic))
-            new_exp_avg_sqs.append(_store(next_exp_avg_sq, stored[1], seeds[1], stochastic))
+            nexts = [next_exp_avg, next_exp_avg_sq, *([next_max] if amsgrad else [])]
+
+            def in_xla(
+                nexts: list[Any] = nexts, stored: Any = stored, seeds: Any = seeds
+            ) -> list[Any]:
+                return [
+                    _store(x, like, seed, stochastic)
+                    for x, like, seed in zip(nexts, stored[: len(nexts)], seeds, strict=True)
+                ]
+
+            if target is None or g.dtype != jnp.float32:
+                stepped: list[Any] = in_xla()
+            else:
+                slots.append(len(new_exp_avgs))
+                pending.append(_Pending(g, [x for x in stored if x is not None], seeds, in_xla))
+                stepped = [None] * 3
+            new_exp_avgs.append(stepped[0])
+            new_exp_avg_sqs.append(stepped[1])
             if amsgrad:
-                new_maxes.append(_store(next_max, stored[2], seeds[2], stochastic))
+                new_maxes.append(stepped[2])
+        if pending and target is not None:
+            weights = tuple(
+                rules.qhadam_moment_weights(_cast(b1, jnp.float32), _cast(b2, jnp.float32))
+            )
+            for slot, states in zip(slots, _stepped_states(target, weights, pending), strict=True):
+                new_exp_avgs[slot], new_exp_avg_sqs[slot] = states[0], states[1]
+                if amsgrad:
+                    new_maxes[slot] = states[2]
         mu = jax.tree.unflatten(treedef, new_exp_avgs)
         nu = jax.tree.unflatten(treedef, new_exp_avg_sqs)
         new_state: ScaleByQHAdamState | ScaleByQHAdamAmsgradState
@@ -741,6 +872,7 @@ def qhm(
     accumulator_dtype: Any | None = None,
     state_dtype: Any | None = None,
     stochastic_rounding: bool | None = None,
+    fused: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Quasi-hyperbolic momentum.
 
@@ -761,8 +893,8 @@ def qhm(
       momentum: :math:`\beta`, in ``[0, 1)``.
       nu: :math:`\nu`, any finite real (0: SGD, 1: momentum, beta: NAG).
       accumulator_dtype: optional dtype of the momentum buffer.
-      state_dtype, stochastic_rounding: store the buffer in a narrower dtype
-        (see :func:`scale_by_qhm`).
+      state_dtype, stochastic_rounding, fused: store the buffer in a narrower
+        dtype, and where a bfloat16 one is stepped (see :func:`scale_by_qhm`).
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -792,6 +924,7 @@ def qhm(
             accumulator_dtype=accumulator_dtype,
             state_dtype=state_dtype,
             stochastic_rounding=stochastic_rounding,
+            fused=fused,
         ),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -809,6 +942,7 @@ def qhadam(
     amsgrad: bool = False,
     state_dtype: Any | None = None,
     stochastic_rounding: bool | None = None,
+    fused: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""QHAdam: Adam with quasi-hyperbolic moment estimators.
 
@@ -834,8 +968,9 @@ def qhadam(
       mu_dtype: optional dtype of the first moment.
       amsgrad: the AMSGrad variant, with torch's convention (see
         :func:`scale_by_qhadam`; not ``optax.amsgrad``'s).
-      state_dtype, stochastic_rounding: store the moments in a narrower dtype
-        (see :func:`scale_by_qhadam`).
+      state_dtype, stochastic_rounding, fused: store the moments in a
+        narrower dtype, and where bfloat16 ones are stepped (see
+        :func:`scale_by_qhadam`).
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -869,6 +1004,7 @@ def qhadam(
             amsgrad=amsgrad,
             state_dtype=state_dtype,
             stochastic_rounding=stochastic_rounding,
+            fused=fused,
         ),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -888,6 +1024,7 @@ def qhadamw(
     amsgrad: bool = False,
     state_dtype: Any | None = None,
     stochastic_rounding: bool | None = None,
+    fused: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""QHAdam with decoupled weight decay (as ``optax.adamw``).
 
@@ -908,7 +1045,7 @@ def qhadamw(
         parameters to decay, as in ``optax.add_decayed_weights``.
       mu_dtype: optional dtype of the first moment.
       amsgrad: the AMSGrad variant, as in :func:`qhadam`.
-      state_dtype, stochastic_rounding: as in :func:`qhadam`.
+      state_dtype, stochastic_rounding, fused: as in :func:`qhadam`.
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -942,6 +1079,7 @@ def qhadamw(
             amsgrad=amsgrad,
             state_dtype=state_dtype,
             stochastic_rounding=stochastic_rounding,
+            fused=fused,
         ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),

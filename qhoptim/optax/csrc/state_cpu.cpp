@@ -1,0 +1,176 @@
+// qhoptim.optax's bfloat16 state on the CPU: one XLA custom call per step
+// that steps every parameter's moving averages and stores them in
+// bfloat16, rounded stochastically by qhoptim.rounding's rule -- one pass
+// over the state where XLA's own fusions, for want of fusing the rounding's
+// integer hash with the moving averages across a parameter's many arrays,
+// take several. The update itself (the direction optax returns) stays with
+// XLA, which fuses it into optax.apply_updates; it reads the old state, as
+// this call does, so that the new state never passes through a float32 array.
+//
+// The coefficients come from qhoptim.rules, computed by the Python side
+// (qhoptim/optax/__init__.py) and passed as one float32 array; the arithmetic
+// is rules.ewma's (and rules.amsgrad_maximum's), element by element, each
+// product and sum rounded as written (built with -ffp-contract=off).
+//
+// Built on first use by qhoptim/optax/_extension.py against jaxlib's XLA FFI
+// headers.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "rounding.h"  // qhoptim/csrc, on the include path
+#include "slices.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using qhoptim::rounding::kGolden;
+
+inline float load(const uint16_t* x, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// jnp.maximum: NaN from either side.
+inline float nan_maximum(float a, float b) { return std::isnan(a) ? a : (a > b ? a : b); }
+
+// The layout of the coefficient array (_state_weights in __init__.py): each
+// moving average's decay and the weight of what it averages,
+// rules.qhadam_moment_weights's order.
+enum Coefficient : int { kDecay1, kWeight1, kDecay2, kWeight2 };
+
+// One parameter's states: `in` the stored ones, `out` the new ones (other
+// buffers: XLA writes the new state beside the old, which the update's own
+// fusion reads too).
+struct States {
+  const uint16_t* in[3];
+  uint16_t* out[3];
+};
+
+// QHM's buffer: rules.ewma(buffer, grad, momentum).
+void ewma_of_grad(const float* __restrict__ g, const uint16_t* __restrict__ in, uint16_t* __restrict__ out,
+                  const float* c, uint32_t seed, int64_t first, int64_t n) {
+  const float decay = c[kDecay1], weight = c[kWeight1];
+  // The hash's key of element i, i * 0x9E3779B9 (mod 2**32), advanced by one
+  // addition per element.
+  uint32_t key = static_cast<uint32_t>(first) * kGolden;
+  for (int64_t i = first; i < first + n; ++i, key += kGolden) {
+    out[i] = qhoptim::rounding::bfloat16_bits(decay * load(in, i) + weight * g[i], seed, key);
+  }
+}
+
+// QHAdam's moments: rules.ewma of grad and of grad * grad, and with AMSGRAD
+// rules.amsgrad_maximum of the second.
+template <bool AMSGRAD>
+void qhadam_moments(const float* __restrict__ g, const States& s, const float* c, const uint32_t* seeds,
+                    int64_t first, int64_t n) {
+  const float b1 = c[kDecay1], w1 = c[kWeight1], b2 = c[kDecay2], w2 = c[kWeight2];
+  const uint32_t s0 = seeds[0], s1 = seeds[1], s2 = AMSGRAD ? seeds[2] : 0u;
+  const uint16_t* __restrict__ m_in = s.in[0];
+  const uint16_t* __restrict__ v_in = s.in[1];
+  const uint16_t* __restrict__ max_in = s.in[2];
+  uint16_t* __restrict__ m_out = s.out[0];
+  uint16_t* __restrict__ v_out = s.out[1];
+  uint16_t* __restrict__ max_out = s.out[2];
+  uint32_t key = static_cast<uint32_t>(first) * kGolden;
+  for (int64_t i = first; i < first + n; ++i, key += kGolden) {
+    const float grad = g[i];
+    const float m = b1 * load(m_in, i) + w1 * grad;
+    const float v = b2 * load(v_in, i) + w2 * (grad * grad);
+    m_out[i] = qhoptim::rounding::bfloat16_bits(m, s0, key);
+    v_out[i] = qhoptim::rounding::bfloat16_bits(v, s1, key);
+    if constexpr (AMSGRAD) max_out[i] = qhoptim::rounding::bfloat16_bits(nan_maximum(load(max_in, i), v), s2, key);
+  }
+}
+
+// One parameter of the call: its gradient, states, seeds and size.
+struct Leaf {
+  const float* grad;
+  States states;
+  const uint32_t* seeds;
+  int64_t size;
+};
+
+// Values [first, first + n) of one parameter.
+void step_leaf(const Leaf& leaf, int64_t count, const float* c, int64_t first, int64_t n) {
+  if (count == 1) return ewma_of_grad(leaf.grad, leaf.states.in[0], leaf.states.out[0], c, leaf.seeds[0], first, n);
+  if (count == 2) return qhadam_moments<false>(leaf.grad, leaf.states, c, leaf.seeds, first, n);
+  return qhadam_moments<true>(leaf.grad, leaf.states, c, leaf.seeds, first, n);
+}
+
+// Every parameter of one step in one call (one custom call per step, not per
+// parameter: XLA's CPU runtime costs a few microseconds a call, which a
+// model's hundreds of small parameters add up). Arguments: the coefficients
+// (float32[4]), the seeds (uint32, `states` per parameter), the gradients
+// (float32), then each parameter's `states` states (bfloat16: QHM's buffer;
+// QHAdam's two moments, and the running maximum with AMSGrad). Results: the
+// new states, in the same order. The parameters' values are stepped as one
+// range, in slices on several threads where it is large.
+ffi::Error StoreBFloat16State(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ffi::U32> seeds,
+                              ffi::RemainingArgs arrays, ffi::RemainingRets stepped, int64_t count) {
+  const int64_t args = static_cast<int64_t>(arrays.size());
+  if (count < 1 || count > 3 || args % (count + 1) != 0 || coefficients.element_count() != 4) {
+    return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: 1 to 3 states a parameter, 4 coefficients");
+  }
+  const int64_t leaves = args / (count + 1);
+  if (static_cast<int64_t>(stepped.size()) != leaves * count ||
+      static_cast<int64_t>(seeds.element_count()) != leaves * count) {
+    return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: a result and a seed for each state");
+  }
+  std::vector<Leaf> all(leaves);
+  std::vector<int64_t> starts(leaves + 1, 0);  // where each parameter begins in the one range
+  for (int64_t l = 0; l < leaves; ++l) {
+    auto grad = arrays.get<ffi::Buffer<ffi::F32>>(l);
+    if (!grad.has_value()) return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: float32 gradients");
+    Leaf& leaf = all[l];
+    leaf.grad = grad->typed_data();
+    leaf.size = static_cast<int64_t>(grad->element_count());
+    leaf.seeds = seeds.typed_data() + l * count;
+    for (int64_t k = 0; k < count; ++k) {
+      auto in = arrays.get<ffi::Buffer<ffi::BF16>>(leaves + l * count + k);
+      auto out = stepped.get<ffi::Buffer<ffi::BF16>>(l * count + k);
+      if (!in.has_value() || !out.has_value()) {
+        return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: each state is a bfloat16 array");
+      }
+      if (static_cast<int64_t>(in->element_count()) != leaf.size ||
+          static_cast<int64_t>((*out)->element_count()) != leaf.size) {
+        return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: each state has its gradient's size");
+      }
+      leaf.states.in[k] = reinterpret_cast<const uint16_t*>(in->untyped_data());
+      leaf.states.out[k] = reinterpret_cast<uint16_t*>((*out)->untyped_data());
+    }
+    starts[l + 1] = starts[l] + leaf.size;
+  }
+  const float* c = coefficients.typed_data();
+  qhoptim::slices::for_each_slice(starts[leaves], [&](int64_t first, int64_t n) {
+    // The parameter holding `first`, then each one the slice reaches into.
+    int64_t l = std::upper_bound(starts.begin(), starts.end(), first) - starts.begin() - 1;
+    for (int64_t end = first + n; first < end; ++l) {
+      const int64_t stop = std::min(end, starts[l + 1]);
+      if (stop > first) step_leaf(all[l], count, c, first - starts[l], stop - first);
+      first = stop;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The one symbol the library exports (it is built with -fvisibility=hidden);
+// qhoptim/optax/_extension.py registers it as an XLA custom call target.
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* QHoptimStoreBFloat16State(XLA_FFI_CallFrame*);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QHoptimStoreBFloat16State, StoreBFloat16State,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("states"));

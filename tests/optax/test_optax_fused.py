@@ -1,0 +1,240 @@
+"""qhoptim.optax's C++ state step (``fused``): a bfloat16 state of float32
+parameters stepped and stored in one XLA custom call on the CPU.
+
+The rule is :mod:`qhoptim.rounding`'s, bit for bit where the moving average is
+exact (``test_optax_state_dtype.py`` runs its rule, resume and conformance
+tests on both paths); elsewhere each stored value is one of the two bfloat16
+neighbours of its average computed within float32's rounding, and the stored
+bits are XLA's operations' own but where XLA contracts a product and a sum
+into one fused multiply-add.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import qhoptim.optax as qho
+from qhoptim.optax import _extension
+
+pytestmark = pytest.mark.skipif(
+    not _extension.state_extension_available(),
+    reason=f"the C++ state step does not build here: {_extension._built()[1]}",
+)
+
+BF16 = jnp.bfloat16
+#: Shapes that cover a 0-d and an empty parameter, and one of more than
+#: 2**17 values, which is stepped in slices on several threads.
+SHAPES = {"big": (300, 500), "conv": (8, 3, 3, 3), "empty": (0, 4), "scalar": (), "vector": (7,)}
+CONFIGS = {
+    "qhm": lambda **kw: qho.qhm(0.1, momentum=0.9, nu=0.7, **kw),
+    "qhm-nu1": lambda **kw: qho.qhm(0.1, momentum=0.99, nu=1.0, **kw),
+    "qhadam": lambda **kw: qho.qhadam(1e-2, nu1=0.7, **kw),
+    "qhadam-nu2": lambda **kw: qho.qhadam(1e-2, b1=0.8, b2=0.99, nu1=0.7, nu2=0.5, **kw),
+    "qhadamw-amsgrad": lambda **kw: qho.qhadamw(1e-2, nu1=0.7, nu2=0.8, amsgrad=True, **kw),
+}
+
+
+def _params() -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    return {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+
+
+def _grads(t: int) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(100 + t)
+    # Magnitudes over decades, so that the averages cancel and round somewhere.
+    return {
+        k: jnp.asarray(rng.standard_normal(s) * 10.0 ** rng.integers(-4, 2, s), jnp.float32)
+        for k, s in SHAPES.items()
+    }
+
+
+def _calls(tx: Any, params: Any) -> list[int]:
+    """The number of states each call of the C++ step in ``tx``'s jitted update stores."""
+    text = jax.jit(tx.update).lower(_grads_like(params), tx.init(params), params).as_text()
+    return [
+        line.split("->", 1)[1].count("bf16")
+        for line in text.splitlines()
+        if f"custom_call @{_extension.TARGET}(" in line
+    ]
+
+
+def _grads_like(params: Any) -> Any:
+    return jax.tree.map(jnp.ones_like, params)
+
+
+@pytest.mark.parametrize("fused", [None, True])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_float32_parameter_with_bfloat16_state_takes_one_call(name: str, fused: Any) -> None:
+    params = _params()
+    states = 1 if name.startswith("qhm") else 3 if "amsgrad" in name else 2
+    assert _calls(CONFIGS[name](state_dtype=BF16, fused=fused), params) == [states * len(SHAPES)]
+    assert _calls(CONFIGS[name](state_dtype=BF16, fused=False), params) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"state_dtype": jnp.uint8},
+        {"state_dtype": BF16, "stochastic_rounding": False},
+    ],
+    ids=["float32-state", "8-bit", "bfloat16-nearest"],
+)
+def test_other_states_keep_xla_s_operations(kwargs: dict[str, Any]) -> None:
+    assert _calls(qho.qhadam(1e-2, **kwargs), _params()) == []
+
+
+def test_parameters_of_other_dtypes_keep_xla_s_operations() -> None:
+    params = {"half": jnp.zeros((4, 4), BF16), "single": jnp.zeros(5, jnp.float32)}
+    assert _calls(qho.qhm(0.1, state_dtype=BF16), params) == [1]
+
+
+def _neighbours(value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bfloat16 values at or below and at or above each float64 ``value``
+    (float32 first: a bfloat16 is a float32 with 16 low bits zero)."""
+    bits = np.asarray(value, np.float32).view(np.uint32).astype(np.uint64)
+    down = (bits & 0xFFFF0000).astype(np.uint32).view(np.float32).astype(np.float64)
+    up = ((bits & 0xFFFF0000) + 0x10000).astype(np.uint32).view(np.float32).astype(np.float64)
+    # For negative values the truncated bits are the one nearer zero, above.
+    lower = np.where(value < 0, up, down)
+    upper = np.where(value < 0, down, up)
+    return np.minimum(lower, upper), np.maximum(lower, upper)
+
+
+def _steps(name: str, fused: bool, state: Any, steps: range) -> Any:
+    params = _params()
+    tx = CONFIGS[name](state_dtype=BF16, fused=fused)
+    state = tx.init(params) if state is None else state
+    update = jax.jit(tx.update)
+    for t in steps:
+        _, state = update(_grads(t), state, params)
+    return state
+
+
+@pytest.mark.parametrize("name", ["qhm", "qhadam-nu2", "qhadamw-amsgrad"])
+def test_each_stored_value_rounds_its_average_up_or_down(name: str) -> None:
+    # One step from a stored state: the stored value is one of the bfloat16
+    # values bracketing the exact average, give or take float32's rounding of
+    # its two terms (and of the square).
+    before = _steps(name, True, None, range(3))
+    after = _steps(name, True, before, range(3, 4))
+    decays = {"qhm": (0.9, None), "qhadam-nu2": (0.8, 0.99), "qhadamw-amsgrad": (0.9, 0.999)}[name]
+    g = [np.asarray(x, np.float64) for x in jax.tree.leaves(_grads(3))]
+    eps = float(np.finfo(np.float32).eps)
+    fields = ["momentum_buffer"] if name == "qhm" else ["mu", "nu"]
+    for field, decay in zip(fields, decays, strict=False):
+        old = jax.tree.leaves(getattr(before[0], field))
+        new = jax.tree.leaves(getattr(after[0], field))
+        for grad, stored, stepped in zip(g, old, new, strict=True):
+            x = grad * grad if field == "nu" else grad
+            old64 = np.asarray(stored, np.float64)
+            exact = decay * old64 + (1 - decay) * x
+            slack = 4 * eps * (np.abs(decay * old64) + np.abs((1 - decay) * x))
+            low, _ = _neighbours(exact - slack)
+            _, high = _neighbours(exact + slack)
+            got = np.asarray(stepped, np.float64)
+            assert np.all((low <= got) & (got <= high)), field
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_stored_bits_are_xla_s_but_for_its_fused_multiply_adds(name: str) -> None:
+    # One step of each path from one state. A wrong noise (another key, seed
+    # or slice offset) changes about half the values; XLA's contractions a
+    # few in 100,000.
+    start = _steps(name, False, None, range(4))
+    xla = jax.tree.leaves(_steps(name, False, start, range(4, 5)))
+    cpp = jax.tree.leaves(_steps(name, True, start, range(4, 5)))
+    differing = total = 0
+    for a, b in zip(xla, cpp, strict=True):
+        if a.dtype != BF16:
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+            continue
+        differing += int(np.sum(np.asarray(a).view(np.uint16) != np.asarray(b).view(np.uint16)))
+        total += a.size
+    assert total > 0
+    assert differing <= total * 1e-3, (differing, total)
+
+
+def test_the_update_is_xla_s_on_both_paths() -> None:
+    params = _params()
+    results = []
+    for fused in (False, True):
+        tx = qho.qhadam(1e-2, nu1=0.7, state_dtype=BF16, fused=fused)
+        updates, _ = jax.jit(tx.update)(_grads(0), tx.init(params), params)
+        results.append(updates)
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_donated_state_and_parameters_step_as_kept_ones() -> None:
+    tx = qho.qhadam(1e-2, nu1=0.7, amsgrad=True, state_dtype=BF16, fused=True)
+
+    def step(params: Any, state: Any, grads: Any) -> Any:
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    runs = []
+    for donate in ((), (0, 1)):
+        params = _params()
+        state, fn = tx.init(params), jax.jit(step, donate_argnums=donate)
+        for t in range(3):
+            params, state = fn(params, state, _grads(t))
+        runs.append(jax.tree.leaves((params, state)))
+    for a, b in zip(*runs, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_under_vmap_each_member_steps_as_alone() -> None:
+    tx = qho.qhm(0.1, momentum=0.9, nu=0.7, state_dtype=BF16, fused=True)
+    members = jnp.asarray(np.random.default_rng(5).standard_normal((3, 6, 5)), jnp.float32)
+    state = jax.vmap(tx.init)(members)
+    _, batched = jax.jit(jax.vmap(tx.update))(members, state, members)
+    for i in range(3):
+        _, alone = jax.jit(tx.update)(members[i], tx.init(members[i]), members[i])
+        assert np.array_equal(
+            np.asarray(batched[0].momentum_buffer[i]).view(np.uint16),
+            np.asarray(alone[0].momentum_buffer).view(np.uint16),
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"fused": 1}, TypeError, r"fused must be a bool"),
+        ({"fused": True}, ValueError, r"received state_dtype=None"),
+        ({"fused": True, "state_dtype": jnp.uint8}, ValueError, r"state_dtype='uint8'"),
+        (
+            {"fused": True, "state_dtype": BF16, "stochastic_rounding": False},
+            ValueError,
+            r"stochastic_rounding=False",
+        ),
+    ],
+)
+def test_invalid_settings_are_refused(kwargs: dict[str, Any], error: type, match: str) -> None:
+    for make in (qho.qhm, qho.qhadam, qho.qhadamw):
+        with pytest.raises(error, match=match):
+            make(1e-2, **kwargs)
+
+
+def test_without_a_build_none_keeps_xla_and_true_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_extension, "_built", lambda: (None, "it needs a C++ compiler"))
+    params = _params()
+    assert _calls(qho.qhm(0.1, state_dtype=BF16), params) == []
+    tx = qho.qhm(0.1, state_dtype=BF16, fused=True)
+    with pytest.raises(RuntimeError, match=r"it needs a C\+\+ compiler.*fused=False"):
+        tx.update(_grads(0), tx.init(params), params)
+
+
+def test_the_first_use_may_be_inside_a_jitted_function() -> None:
+    def step(x: jax.Array) -> jax.Array:
+        target, reason = _extension._build_or_load()  # loads the cached build, smoke test included
+        assert target == _extension.TARGET, reason
+        return x
+
+    jax.jit(step)(jnp.zeros(()))
