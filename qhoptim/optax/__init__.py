@@ -434,11 +434,19 @@ def _check_fused(fused: Any, state_dtype: Any, stochastic: bool) -> None:
 def _state_target(fused: bool | None, state_dtype: Any, stochastic: bool) -> str | None:
     """The custom call that stores this step's bfloat16 states on the CPU
     (:mod:`qhoptim.optax._extension`), or None for XLA's operations: under
-    ``fused=True`` (built here, or an error), or ``fused=None`` where it builds."""
+    ``fused=True`` (built here, or an error), or ``fused=None`` where it builds
+    and the process has one CPU device."""
     if fused is False or state_dtype != jnp.bfloat16 or not stochastic:
         return None
     if fused:
         return _extension.state_extension()
+    # The call takes whole arrays: on a mesh of CPU devices XLA would gather a
+    # sharded state into it and keep the new state replicated.
+    try:
+        if len(jax.devices("cpu")) > 1:
+            return None
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS leaves it out)
+        return None
     return _extension.TARGET if _extension.state_extension_available() else None
 
 
@@ -539,7 +547,10 @@ def scale_by_qhm(
         an XLA custom call built on first use (``csrc/state_cpu.cpp``; a C++
         compiler is needed, else XLA's operations); ``True``: the same, and an
         error where it cannot be built; ``False``: XLA's operations. The update
-        is XLA's on every path, and so is every other platform's step. The
+        is XLA's on every path, and so is every other platform's step, and
+        ``None``'s where the process has several CPU devices (the call takes
+        whole arrays: under ``fused=True`` XLA gathers a sharded state into
+        it, and the new state comes out replicated). The
         same rule, not always the same bits: XLA may contract a product and a
         sum into one fused multiply-add, the C++ step never does.
 

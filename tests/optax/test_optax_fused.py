@@ -11,6 +11,9 @@ into one fused multiply-add.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -238,3 +241,33 @@ def test_the_first_use_may_be_inside_a_jitted_function() -> None:
         return x
 
     jax.jit(step)(jnp.zeros(()))
+
+
+SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import qhoptim.optax as qho
+sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+params = {"w": jax.device_put(jnp.ones((64, 8), jnp.float32), sharding)}
+for fused in (None, True, False):
+    tx = qho.qhadam(1e-2, nu1=0.7, state_dtype=jnp.bfloat16, fused=fused)
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    text = step.lower(params, state, params).as_text()
+    _, state = step(params, state, params)
+    print(fused, "qhoptim_store" in text, tuple(state[0].mu["w"].sharding.spec))
+"""
+
+
+def test_on_several_cpu_devices_none_keeps_xla_and_the_state_s_sharding() -> None:
+    # A fresh process: JAX reads the device count once, when it is imported.
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, check=True
+    )
+    lines = result.stdout.split("\n")
+    assert lines[:3] == [
+        "None False ('x',)",
+        "True True ()",  # documented: gathered, and replicated
+        "False False ('x',)",
+    ], result.stdout
