@@ -11,6 +11,7 @@ compiler command (its framework's headers and libraries) and loads the result.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -33,8 +34,10 @@ CFLAGS = ("-O3", NATIVE, "-fno-math-errno", "-ffp-contract=off", "-std=c++20")
 #: macOS links an extension without Python's library: the interpreter that
 #: loads it provides the symbols.
 LDFLAGS = ("-undefined", "dynamic_lookup") if sys.platform == "darwin" else ()
-#: A build that takes longer is given up (the kernels take seconds).
+#: A build that takes longer is given up (the kernels take seconds), and
+#: tried again in the next process.
 BUILD_TIMEOUT_S = 600
+TIMED_OUT = "the compiler ran past"
 
 
 def shared_headers() -> list[Path]:
@@ -47,6 +50,20 @@ def compiler() -> str | None:
     """The C++ compiler (``$CXX``, else ``c++``) where it is on the path, else None."""
     name = os.environ.get("CXX", "c++")
     return name if shutil.which(name) is not None else None
+
+
+@functools.cache
+def compiler_version() -> str:
+    """The first line of ``$CXX --version`` (a build's name holds it: another
+    compiler is another build, and another chance after a failure)."""
+    name = compiler()
+    if name is None:
+        return ""
+    try:
+        result = subprocess.run([name, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return name
+    return f"{name}: {(result.stdout.splitlines() or [''])[0]}"
 
 
 #: What to say where :func:`compiler` finds none.
@@ -77,12 +94,13 @@ def cache_directory(backend: str) -> Path:
 
 def library_name(stem: str, sources: Iterable[Path], versions: Iterable[str]) -> str:
     """``stem`` and a digest of the sources, the versions of what the build
-    links against, Python, the flags and the CPU: two qhoptim versions or two
+    links against, Python, the compiler, the flags and the CPU: two qhoptim versions or two
     environments sharing the cache each keep their own build."""
     digest = hashlib.sha256()
     for source in sources:
         digest.update(source.read_bytes())
-    for part in (*versions, sys.version, " ".join([*CFLAGS, *LDFLAGS]), cpu_flags()):
+    flags = " ".join([*CFLAGS, *LDFLAGS])
+    for part in (*versions, sys.version, compiler_version(), flags, cpu_flags()):
         digest.update(b"\0" + part.encode())
     return f"{stem}_{digest.hexdigest()[:12]}"
 
@@ -126,7 +144,7 @@ def compile_library(
                 command, capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT_S
             )
         except subprocess.TimeoutExpired:
-            return f"the compiler ran past {BUILD_TIMEOUT_S} s: {' '.join(command)}"
+            return f"{TIMED_OUT} {BUILD_TIMEOUT_S} s: {' '.join(command)}"
         if result.returncode != 0:
             return f"{' '.join(command)}\n{result.stderr[-4000:]}"
         os.replace(output, library)
@@ -141,13 +159,12 @@ def built(library: Path, build: Callable[[], str]) -> str:
     the command and the compiler's output) and not tried again for the same
     name (delete the file to try again).
     """
+    if library.is_file():  # built here, or by another process since a failure here
+        return ""
     failed = library.with_name(library.name.split(".")[0] + ".failed")
     if failed.is_file():
         return f"it failed to compile before ({failed}):\n{failed.read_text()}"
-    if library.is_file():
-        return ""
     failure = build()
-    if failure:
+    if failure and not failure.startswith(TIMED_OUT):  # a slow machine may do better next time
         failed.write_text(failure)
-        return f"compiling it failed:\n{failure}"
-    return ""
+    return f"compiling it failed:\n{failure}" if failure else ""

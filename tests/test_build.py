@@ -52,3 +52,10 @@ def test_the_name_follows_sources_versions_and_the_shared_headers() -> None:
     assert name != _build.library_name("x", [source], ["2"])
     assert name.startswith("x_")
     assert [p.name for p in _build.shared_headers()] == ["rounding.h", "slices.h"]
+
+
+def test_a_timed_out_compilation_is_tried_again(tmp_path: Path) -> None:
+    library = tmp_path / "name.so"
+    reason = _build.built(library, lambda: f"{_build.TIMED_OUT} 600 s: c++ step.cpp")
+    assert _build.TIMED_OUT in reason
+    assert list(tmp_path.iterdir()) == []

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -37,7 +38,10 @@ inline int64_t usable_cores() {
 // step(first, count) over [0, n): on this thread alone, or in slices on up to
 // kMaxThreads, this one taking the first. Slices are a multiple of 64 values
 // (4 lines of float32s, 2 of bfloat16s), so that no two threads write one
-// 64-byte line.
+// 64-byte line of one array (where the range is several arrays end to end, as
+// in optax's call, they may at an array's edges: slower, never wrong). Where
+// a thread cannot be started (a process's thread limit), this one steps its
+// slice too. step must not throw.
 template <class Step>
 void for_each_slice(int64_t n, const Step& step) {
   if (n <= 0) return;
@@ -45,10 +49,16 @@ void for_each_slice(int64_t n, const Step& step) {
   if (threads == 1) return step(int64_t{0}, n);
   const int64_t slice = ((n + threads - 1) / threads + 63) / 64 * 64;
   std::vector<std::thread> workers;
+  workers.reserve(static_cast<size_t>(threads));
+  std::vector<int64_t> here{0};  // the slices this thread steps
   for (int64_t first = slice; first < n; first += slice) {
-    workers.emplace_back([&step, first, n, slice] { step(first, std::min(slice, n - first)); });
+    try {
+      workers.emplace_back([&step, first, n, slice] { step(first, std::min(slice, n - first)); });
+    } catch (const std::system_error&) {
+      here.push_back(first);
+    }
   }
-  step(int64_t{0}, std::min(slice, n));
+  for (int64_t first : here) step(first, std::min(slice, n - first));
   for (auto& worker : workers) worker.join();
 }
 

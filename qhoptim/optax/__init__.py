@@ -434,20 +434,36 @@ def _check_fused(fused: Any, state_dtype: Any, stochastic: bool) -> None:
 def _state_target(fused: bool | None, state_dtype: Any, stochastic: bool) -> str | None:
     """The custom call that stores this step's bfloat16 states on the CPU
     (:mod:`qhoptim.optax._extension`), or None for XLA's operations: under
-    ``fused=True`` (built here, or an error), or ``fused=None`` where it builds
-    and the process has one CPU device."""
+    ``fused=True`` (built here, or an error), or ``fused=None`` where it builds,
+    the CPU is JAX's default backend and the process has one CPU device."""
     if fused is False or state_dtype != jnp.bfloat16 or not stochastic:
         return None
     if fused:
         return _extension.state_extension()
     # The call takes whole arrays: on a mesh of CPU devices XLA would gather a
     # sharded state into it and keep the new state replicated.
+    # Only where the CPU is what the step runs on: a GPU or TPU host would
+    # compile C++ it never runs.
     try:
-        if len(jax.devices("cpu")) > 1:
+        if jax.default_backend() != "cpu" or len(jax.devices("cpu")) > 1:
             return None
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS leaves it out)
         return None
     return _extension.TARGET if _extension.state_extension_available() else None
+
+
+def _varies_over_manual_axes(x: jax.Array) -> bool:
+    """Whether ``x`` is a per-device value inside ``jax.shard_map``, where the
+    custom call's results (no varying axes) would not match XLA's branch of
+    :func:`jax.lax.platform_dependent`, which traces both."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # a JAX older than per-device types
+        return False
+    aval = typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
+    if manual is not None:
+        return bool(manual.varying or manual.unreduced or manual.reduced)
+    return bool(getattr(aval, "vma", ()))  # JAX 0.6 to 0.9
 
 
 class _Pending(NamedTuple):
@@ -477,6 +493,9 @@ def _stepped_states(
     """
     if not pending:
         return []
+    arrays = [x for leaf in pending for x in (leaf.grad, *leaf.stored)]
+    if any(_varies_over_manual_axes(x) for x in arrays):
+        return [leaf.in_xla() for leaf in pending]
     count = len(pending[0].stored)
     coefficients = jnp.stack([jnp.asarray(w, jnp.float32) for w in weights])
     seeds = jnp.stack([seed for leaf in pending for seed in leaf.seeds])
@@ -485,8 +504,12 @@ def _stepped_states(
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in stored]  # type: ignore[no-untyped-call]
 
     def on_cpu(*arrays: jax.Array) -> list[jax.Array]:
+        # A stored state has no derivative (XLA's branch makes it through a
+        # bit cast), and jax.grad through an update differentiates both
+        # branches: the call, which has no derivative rule, sees constants.
+        operands = [jax.lax.stop_gradient(x) for x in (coefficients, seeds, *arrays)]
         call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
-        return list(call(coefficients, seeds, *arrays, states=np.int64(count)))
+        return list(call(*operands, states=np.int64(count)))
 
     def elsewhere(*arrays: jax.Array) -> list[jax.Array]:
         return [x for leaf in pending for x in leaf.in_xla()]

@@ -102,7 +102,12 @@ def _smoke_test() -> None:
     in bfloat16 whatever the rounding's noise."""
     # Evaluated now even where the first use is inside a traced function
     # (jit), which would otherwise stage these operations into its trace.
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+    # Under a transfer guard set for the caller's arrays, these few values move all the same.
+    with (
+        jax.ensure_compile_time_eval(),
+        jax.transfer_guard("allow"),
+        jax.default_device(jax.devices("cpu")[0]),
+    ):
         shape = jax.ShapeDtypeStruct((1,), jnp.bfloat16)  # type: ignore[no-untyped-call]
         (stepped,) = jax.ffi.ffi_call(TARGET, (shape,))(
             jnp.asarray([0.5, 0.5, 0.0, 0.0], jnp.float32),

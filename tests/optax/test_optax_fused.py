@@ -25,10 +25,19 @@ import pytest
 import qhoptim.optax as qho
 from qhoptim.optax import _extension
 
+#: Set where the step must build (the optax nox session): its tests fail
+#: rather than skip there.
+REQUIRED = os.environ.get("QHOPTIM_REQUIRE_FUSED", "") not in ("", "0")
 pytestmark = pytest.mark.skipif(
-    not _extension.state_extension_available(),
+    not REQUIRED and not _extension.state_extension_available(),
     reason=f"the C++ state step does not build here: {_extension._built()[1]}",
 )
+
+
+def test_the_step_builds() -> None:
+    target, reason = _extension._built()
+    assert target == _extension.TARGET, reason
+
 
 BF16 = jnp.bfloat16
 #: Shapes that cover a 0-d and an empty parameter, and one of more than
@@ -271,3 +280,46 @@ def test_on_several_cpu_devices_none_keeps_xla_and_the_state_s_sharding() -> Non
         "True True ()",  # documented: gathered, and replicated
         "False False ('x',)",
     ], result.stdout
+
+
+def test_a_gradient_through_the_update_is_xla_s() -> None:
+    # jax.grad through an update (meta-learning, hypergradients) differentiates
+    # both branches of the platform's choice; the call's operands are constants.
+    params = {"w": jnp.asarray(np.random.default_rng(7).standard_normal((6, 5)), jnp.float32)}
+    results = []
+    for fused in (False, None):
+        tx = qho.qhadam(1e-2, nu1=0.7, state_dtype=BF16, fused=fused)
+        state = tx.init(params)
+
+        def loss(grads: Any, tx: Any = tx, state: Any = state) -> jax.Array:
+            updates, _ = tx.update(grads, state, params)
+            return sum(jnp.sum(u**2) for u in jax.tree.leaves(updates))
+
+        results.append(jax.jit(jax.grad(loss))(params))
+    assert np.array_equal(np.asarray(results[0]["w"]), np.asarray(results[1]["w"]))
+
+
+def test_inside_shard_map_xla_steps_the_state() -> None:
+    # Per-device values inside shard_map: XLA's branch (the call's results
+    # would not carry the values' varying axes).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    spec = jax.sharding.PartitionSpec("x")
+    params = {"w": jnp.asarray(np.random.default_rng(8).standard_normal((4, 3)), jnp.float32)}
+    states = []
+    for fused in (False, None):
+        tx = qho.qhm(0.1, momentum=0.9, nu=0.7, state_dtype=BF16, fused=fused)
+        update = jax.shard_map(
+            lambda g, s, tx=tx: tx.update(g, s)[1][0].momentum_buffer,
+            mesh=mesh,
+            in_specs=(spec, jax.sharding.PartitionSpec()),
+            out_specs=spec,
+        )
+        states.append(jax.jit(update)(params, tx.init(params)))
+    a, b = (np.asarray(s["w"]).view(np.uint16) for s in states)
+    assert np.array_equal(a, b)
+
+
+def test_a_transfer_guard_does_not_stop_the_first_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    with jax.transfer_guard("disallow"):
+        target, reason = _extension._build_or_load()
+    assert target == _extension.TARGET, reason

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "rounding.h"  // qhoptim/csrc, on the include path
@@ -105,25 +106,9 @@ void step_leaf(const Leaf& leaf, int64_t count, const float* c, int64_t first, i
   return qhadam_moments<true>(leaf.grad, leaf.states, c, leaf.seeds, first, n);
 }
 
-// Every parameter of one step in one call (one custom call per step, not per
-// parameter: XLA's CPU runtime costs a few microseconds a call, which a
-// model's hundreds of small parameters add up). Arguments: the coefficients
-// (float32[4]), the seeds (uint32, `states` per parameter), the gradients
-// (float32), then each parameter's `states` states (bfloat16: QHM's buffer;
-// QHAdam's two moments, and the running maximum with AMSGrad). Results: the
-// new states, in the same order. The parameters' values are stepped as one
-// range, in slices on several threads where it is large.
-ffi::Error StoreBFloat16State(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ffi::U32> seeds,
-                              ffi::RemainingArgs arrays, ffi::RemainingRets stepped, int64_t count) {
-  const int64_t args = static_cast<int64_t>(arrays.size());
-  if (count < 1 || count > 3 || args % (count + 1) != 0 || coefficients.element_count() != 4) {
-    return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: 1 to 3 states a parameter, 4 coefficients");
-  }
-  const int64_t leaves = args / (count + 1);
-  if (static_cast<int64_t>(stepped.size()) != leaves * count ||
-      static_cast<int64_t>(seeds.element_count()) != leaves * count) {
-    return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: a result and a seed for each state");
-  }
+// StoreBFloat16State's work, once its arguments are checked.
+ffi::Error step_all(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ffi::U32> seeds, const ffi::RemainingArgs& arrays,
+                    const ffi::RemainingRets& stepped, int64_t count, int64_t leaves) {
   std::vector<Leaf> all(leaves);
   std::vector<int64_t> starts(leaves + 1, 0);  // where each parameter begins in the one range
   for (int64_t l = 0; l < leaves; ++l) {
@@ -159,6 +144,32 @@ ffi::Error StoreBFloat16State(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ff
     }
   });
   return ffi::Error::Success();
+}
+
+// Every parameter of one step in one call (one custom call per step, not per
+// parameter: XLA's CPU runtime costs a few microseconds a call, which a
+// model's hundreds of small parameters add up). Arguments: the coefficients
+// (float32[4]), the seeds (uint32, `states` per parameter), the gradients
+// (float32), then each parameter's `states` states (bfloat16: QHM's buffer;
+// QHAdam's two moments, and the running maximum with AMSGrad). Results: the
+// new states, in the same order. The parameters' values are stepped as one
+// range, in slices on several threads where it is large.
+ffi::Error StoreBFloat16State(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ffi::U32> seeds,
+                              ffi::RemainingArgs arrays, ffi::RemainingRets stepped, int64_t count) {
+  const int64_t args = static_cast<int64_t>(arrays.size());
+  if (count < 1 || count > 3 || args % (count + 1) != 0 || coefficients.element_count() != 4) {
+    return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: 1 to 3 states a parameter, 4 coefficients");
+  }
+  const int64_t leaves = args / (count + 1);
+  if (static_cast<int64_t>(stepped.size()) != leaves * count ||
+      static_cast<int64_t>(seeds.element_count()) != leaves * count) {
+    return ffi::Error::InvalidArgument("qhoptim's bfloat16 state: a result and a seed for each state");
+  }
+  try {
+    return step_all(coefficients, seeds, arrays, stepped, count, leaves);
+  } catch (const std::exception& error) {  // no exception crosses into XLA
+    return ffi::Error::Internal(std::string("qhoptim's bfloat16 state: ") + error.what());
+  }
 }
 
 }  // namespace
