@@ -323,3 +323,44 @@ def test_a_transfer_guard_does_not_stop_the_first_build(monkeypatch: pytest.Monk
     with jax.transfer_guard("disallow"):
         target, reason = _extension._build_or_load()
     assert target == _extension.TARGET, reason
+
+
+WITHOUT_X64 = """
+import jax, jax.numpy as jnp, numpy as np
+import qhoptim.optax as qho
+assert not jax.config.jax_enable_x64
+rng = np.random.default_rng(0)
+params = {"w": jnp.asarray(rng.standard_normal((70, 30)), jnp.float32)}
+grads = {"w": jnp.asarray(rng.standard_normal((70, 30)) * 1e-2, jnp.float32)}
+states = {}
+for fused in (False, True):
+    tx = qho.qhadam(
+        1e-2, b1=0.8, nu1=0.7, nu2=0.9, amsgrad=True, state_dtype=jnp.bfloat16, fused=fused
+    )
+    state, update = tx.init(params), jax.jit(tx.update)
+    text = update.lower(grads, state, params).as_text()
+    for _ in range(3):
+        _, state = update(grads, state, params)
+    states[fused] = state
+    print(fused, "qhoptim_store" in text)
+for a, b in zip(jax.tree.leaves(states[False]), jax.tree.leaves(states[True])):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != np.int32:
+        a, b = a.view(np.uint16), b.view(np.uint16)
+    print(int(np.sum(a != b)), a.size)
+"""
+
+
+def test_without_x64_the_call_steps_as_xla_does() -> None:
+    # This directory's tests run with jax_enable_x64 (conftest.py); JAX's default
+    # is without it, where the weights and counts are float32 and int32 throughout.
+    env = dict(os.environ, JAX_ENABLE_X64="0")
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_X64], capture_output=True, text=True, env=env, check=True
+    )
+    lines = result.stdout.split("\n")
+    assert lines[:2] == ["False False", "True True"], result.stdout
+    for line in lines[2:]:
+        if line:
+            differing, total = map(int, line.split())
+            assert differing <= max(1, total // 1000), result.stdout
