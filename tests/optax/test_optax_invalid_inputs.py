@@ -41,10 +41,16 @@ def _kwargs(family: str, accepted: frozenset[str], entry: Invalid) -> dict[str, 
     return {k: v for k, v in kwargs.items() if k in accepted}
 
 
+#: Each path a transformation may step on: XLA's operations, and a bfloat16
+#: state in the C++ state step (``fused=True``); the table's errors are the same.
+PATHS = {"xla": {}, "fused": {"state_dtype": jnp.bfloat16, "fused": True}}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(("factory", "family", "accepted", "entry"), CASES, ids=IDS)
-def test_factories_reject(factory, family, accepted, entry: Invalid) -> None:
+def test_factories_reject(factory, family, accepted, entry: Invalid, path: str) -> None:
     with pytest.raises(entry.error, match=pattern(entry, NAMES["optax"][entry.param])):
-        factory(**_kwargs(family, accepted, entry))
+        factory(**_kwargs(family, accepted, entry), **PATHS[path])
 
 
 def test_every_optax_argument_of_the_table_is_tried() -> None:
@@ -63,17 +69,18 @@ def test_every_optax_argument_of_the_table_is_tried() -> None:
         (qho.qhadamw, {"learning_rate": 0.05, "nu1": 0.7, "eps": 1e-6, "weight_decay": 0.1}),
     ],
 )
-def test_traced_hyperparameters_pass_under_jit(factory, kwargs) -> None:
-    x = jnp.linspace(-1.0, 1.0, 4)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_traced_hyperparameters_pass_under_jit(factory, kwargs, path: str) -> None:
+    x = jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)
     g = 2.0 * x
 
     @jax.jit
     def traced_step(hparams):  # every hyperparameter is a tracer in here
-        tx = factory(**hparams)
+        tx = factory(**hparams, **PATHS[path])
         return tx.update(g, tx.init(x), x)[0]
 
     traced = traced_step({k: jnp.asarray(v) for k, v in kwargs.items()})
-    tx = factory(**kwargs)
+    tx = factory(**kwargs, **PATHS[path])
     plain = tx.update(g, tx.init(x), x)[0]
     np.testing.assert_allclose(traced, plain, rtol=1e-6)
 
