@@ -13,11 +13,11 @@ of each QH optimizer to its optax counterpart (QHM vs
 ``optax.sgd(momentum=0.9, nesterov=True)``, QHAdam vs ``optax.adam``).
 ``--scale`` times one flat tensor of each size instead (with donation).
 ``--layout flax`` gives ResNet-18's kernels flax's layout (channels last).
-``--state-dtype bfloat16`` adds each QH optimizer with its state stored in
-bfloat16 (``state_dtype``, stochastically rounded), timed in the same rounds,
-with its ratio to the float32-state step: on the default path (on the CPU, the
-C++ state step, ``fused=None``) and, as ``-xla``, in XLA's operations
-(``fused=False``).
+``--state-dtype bfloat16`` (or ``uint8``, 8-bit) adds each QH optimizer with
+its state stored in that dtype (``state_dtype``, stochastically rounded), timed
+in the same rounds, with its ratio to the float32-state step: on the default
+path (on the CPU, the C++ state step, ``fused=None``) and, as ``-xla``, in
+XLA's operations (``fused=False``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def bench(
     if state_dtype is not None:
         for name, make_narrow in NARROW.items():
             factories[f"{name}-{state_dtype}"] = lambda m=make_narrow: m(state_dtype)
-            if state_dtype == "bfloat16":
+            if state_dtype in ("bfloat16", "uint8"):  # a C++ state step stores these
                 factories[f"{name}-{state_dtype}-xla"] = lambda m=make_narrow: m(
                     state_dtype, fused=False
                 )

@@ -41,8 +41,8 @@ TIMED_OUT = "the compiler ran past"
 
 
 def shared_headers() -> list[Path]:
-    """The headers the kernels share (``qhoptim/csrc``: the rounding rule, the
-    slicing over threads), which each build's name digests."""
+    """The headers the kernels share (``qhoptim/csrc``: the rounding rule, the 8-bit
+    state's encoding, the slicing over threads), which each build's name digests."""
     return sorted(rounding.CPP_INCLUDE_DIR.glob("*.h"))
 
 

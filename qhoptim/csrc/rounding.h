@@ -16,6 +16,33 @@ namespace qhoptim::rounding {
 // loop advances it by one addition per element (POSITION_MULTIPLIER).
 constexpr uint32_t kGolden = 0x9E3779B9u;
 
+// An element's position as the hash reads it: itself below 2**32, folded to
+// 32 bits beyond (FOLD: a chunk reaching past 2**32). Below, a chunk counts in
+// uint32, and without a branch in the loop, which lets it vectorize.
+template <bool FOLD>
+inline uint32_t position_of(int64_t first, int64_t i) {
+  if constexpr (FOLD) {
+    const int64_t at = first + i;
+    return static_cast<uint32_t>(at ^ (at >> 32));
+  } else {
+    return static_cast<uint32_t>(first) + static_cast<uint32_t>(i);
+  }
+}
+
+inline bool needs_fold(int64_t first, int64_t n) { return first + n > (int64_t{1} << 32); }
+
+// position_of(first, i) * kGolden, the hash's key: below 2**32 an affine
+// function of i, which the vectorized loops advance by an addition per vector
+// instead of a multiplication per value.
+template <bool FOLD>
+inline uint32_t position_key(int64_t first, int64_t i) {
+  if constexpr (FOLD) {
+    return position_of<true>(first, i) * kGolden;
+  } else {
+    return static_cast<uint32_t>(first) * kGolden + static_cast<uint32_t>(i) * kGolden;
+  }
+}
+
 // lowbias32 (mix32) of key ^ seed; its low 16 bits are the element's noise
 // (noise16).
 inline uint32_t hash32_of_key(uint32_t seed, uint32_t key) {

@@ -36,18 +36,21 @@ inline int64_t usable_cores() {
 }
 
 // step(first, count) over [0, n): on this thread alone, or in slices on up to
-// kMaxThreads, this one taking the first. Slices are a multiple of 64 values
-// (4 lines of float32s, 2 of bfloat16s), so that no two threads write one
-// 64-byte line of one array (where the range is several arrays end to end, as
-// in optax's call, they may at an array's edges: slower, never wrong). Where
-// a thread cannot be started (a process's thread limit), this one steps its
-// slice too. step must not throw.
+// kMaxThreads, this one taking the first. Each of the n units holds
+// `unit_values` values (1; an 8-bit state's blocks: 256). Slices are a
+// multiple of 64 values (4 lines of float32s, 2 of bfloat16s), so that no two
+// threads write one 64-byte line of one array (where the range is several
+// arrays end to end, as in optax's call, they may at an array's edges:
+// slower, never wrong). Where a thread cannot be started (a process's thread
+// limit), this one steps its slice too. step must not throw.
 template <class Step>
-void for_each_slice(int64_t n, const Step& step) {
+void for_each_slice(int64_t n, const Step& step, int64_t unit_values = 1) {
   if (n <= 0) return;
-  const int64_t threads = std::min({usable_cores(), kMaxThreads, std::max<int64_t>(1, n / kPerThread)});
+  const int64_t threads =
+      std::min({usable_cores(), kMaxThreads, std::max<int64_t>(1, n * unit_values / kPerThread)});
   if (threads == 1) return step(int64_t{0}, n);
-  const int64_t slice = ((n + threads - 1) / threads + 63) / 64 * 64;
+  const int64_t align = std::max<int64_t>(1, 64 / unit_values);  // units in 64 values
+  const int64_t slice = ((n + threads - 1) / threads + align - 1) / align * align;
   std::vector<std::thread> workers;
   workers.reserve(static_cast<size_t>(threads));
   std::vector<int64_t> here{0};  // the slices this thread steps

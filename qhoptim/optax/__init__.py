@@ -15,8 +15,9 @@ optimizer; ``from_params`` builds one from a :mod:`qhoptim.convert` result::
 
 The math of every step comes from :mod:`qhoptim.rules`; this module only maps it
 over pytrees, keeps optax's state and dtype conventions, and lets XLA fuse it
--- but for a bfloat16 state's moving averages on the CPU, which one C++ custom
-call per step steps and rounds (``fused``; :mod:`qhoptim.optax._extension`).
+-- but for a bfloat16 or 8-bit state's moving averages on the CPU, which one
+C++ custom call per step steps and stores (``fused``;
+:mod:`qhoptim.optax._extension`).
 
 References:
   Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
@@ -422,24 +423,36 @@ def decoded_state(state: Any) -> Any:
 def _check_fused(fused: Any, state_dtype: Any, stochastic: bool) -> None:
     if fused is not None:
         validation.check_bool(fused, "fused")
-    if fused and not (state_dtype == jnp.bfloat16 and stochastic):
+    if fused and _fused_target_of(state_dtype, stochastic) is None:
         raise ValueError(
-            "fused=True stores a bfloat16 state rounded stochastically in C++ "
-            "(state_dtype=jnp.bfloat16, stochastic_rounding None or True); received "
+            "fused=True stores a bfloat16 state rounded stochastically, or an 8-bit "
+            "state, in C++ (state_dtype=jnp.bfloat16 with stochastic_rounding None or "
+            "True, or state_dtype=jnp.uint8); received "
             f"state_dtype={None if state_dtype is None else jnp.dtype(state_dtype).name!r}, "
             f"stochastic_rounding={stochastic}"
         )
 
 
+def _fused_target_of(state_dtype: Any, stochastic: bool) -> str | None:
+    """The custom call that stores a state of ``state_dtype``, if one does."""
+    if state_dtype == jnp.uint8:
+        return _extension.EIGHT_BIT_TARGET
+    if state_dtype == jnp.bfloat16 and stochastic:
+        return _extension.TARGET
+    return None
+
+
 def _state_target(fused: bool | None, state_dtype: Any, stochastic: bool) -> str | None:
-    """The custom call that stores this step's bfloat16 states on the CPU
+    """The custom call that stores this step's narrow states on the CPU
     (:mod:`qhoptim.optax._extension`), or None for XLA's operations: under
     ``fused=True`` (built here, or an error), or ``fused=None`` where it builds,
     the CPU is JAX's default backend and the process has one CPU device."""
-    if fused is False or state_dtype != jnp.bfloat16 or not stochastic:
+    target = _fused_target_of(state_dtype, stochastic)
+    if fused is False or target is None:
         return None
     if fused:
-        return _extension.state_extension()
+        _extension.state_extension()
+        return target
     # The call takes whole arrays: on a mesh of CPU devices XLA would gather a
     # sharded state into it and keep the new state replicated.
     # Only where the CPU is what the step runs on: a GPU or TPU host would
@@ -449,7 +462,7 @@ def _state_target(fused: bool | None, state_dtype: Any, stochastic: bool) -> str
             return None
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS leaves it out)
         return None
-    return _extension.TARGET if _extension.state_extension_available() else None
+    return target if _extension.state_extension_available() else None
 
 
 def _varies_over_manual_axes(x: jax.Array) -> bool:
@@ -467,20 +480,20 @@ def _varies_over_manual_axes(x: jax.Array) -> bool:
 
 
 class _Pending(NamedTuple):
-    """A parameter whose bfloat16 states the C++ step stores: its gradient,
+    """A parameter whose narrow states the C++ step stores: its gradient,
     stored states and their seeds, and the same states stored by XLA's
     operations (``in_xla()``, the path off the CPU)."""
 
     grad: jax.Array
-    stored: list[jax.Array]
+    stored: list[Any]
     seeds: list[jax.Array]
     in_xla: Callable[[], list[Any]]
 
 
 def _stepped_states(
-    target: str, weights: tuple[Any, ...], pending: list[_Pending]
-) -> list[list[jax.Array]]:
-    """The new bfloat16 states of the ``pending`` parameters: stepped and
+    target: str, weights: tuple[Any, ...], pending: list[_Pending], stochastic: bool
+) -> list[list[Any]]:
+    """The new narrow states of the ``pending`` parameters: stepped and
     stored by one call of the custom call ``target`` where the step runs on
     the CPU, else each parameter's ``in_xla()``.
 
@@ -489,32 +502,42 @@ def _stepped_states(
     float32 as the operations use them. The update itself stays with XLA,
     which fuses it into ``optax.apply_updates``; it reads the stored states
     too, so the new ones are written beside them, not over them (an in-place
-    call would make XLA copy each state first).
+    call would make XLA copy each state first). An 8-bit state
+    (:class:`EightBitArray`) passes as its codes and scales, with the two
+    ladders of :func:`qhoptim.rounding.eight_bit_levels`.
     """
     if not pending:
         return []
-    arrays = [x for leaf in pending for x in (leaf.grad, *leaf.stored)]
-    if any(_varies_over_manual_axes(x) for x in arrays):
+    stored = [x for leaf in pending for x in leaf.stored]
+    eight_bit = target == _extension.EIGHT_BIT_TARGET
+    stored_arrays = jax.tree.leaves(stored)  # an 8-bit state's codes, then its scales
+    grads = [leaf.grad for leaf in pending]
+    if any(_varies_over_manual_axes(x) for x in (*grads, *stored_arrays)):
         return [leaf.in_xla() for leaf in pending]
     count = len(pending[0].stored)
     coefficients = jnp.stack([jnp.asarray(w, jnp.float32) for w in weights])
     seeds = jnp.stack([seed for leaf in pending for seed in leaf.seeds])
-    grads = [leaf.grad for leaf in pending]
-    stored = [x for leaf in pending for x in leaf.stored]
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in stored]  # type: ignore[no-untyped-call]
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in stored_arrays]  # type: ignore[no-untyped-call]
+    attributes = {"states": np.int64(count)}
+    constants = [coefficients, seeds]
+    if eight_bit:
+        constants += [jnp.asarray(_levels(True)), jnp.asarray(_levels(False))]
+        attributes["per_octave"] = np.int64(rounding.EIGHT_BIT_PER_OCTAVE)
+        attributes["stochastic"] = np.int64(stochastic)
 
-    def on_cpu(*arrays: jax.Array) -> list[jax.Array]:
+    def on_cpu(*arrays: jax.Array) -> list[Any]:
         # A stored state has no derivative (XLA's branch makes it through a
         # bit cast), and jax.grad through an update differentiates both
         # branches: the call, which has no derivative rule, sees constants.
-        operands = [jax.lax.stop_gradient(x) for x in (coefficients, seeds, *arrays)]
+        operands = [jax.lax.stop_gradient(x) for x in (*constants, *arrays)]
         call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
-        return list(call(*operands, states=np.int64(count)))
+        results = list(call(*operands, **attributes))
+        return jax.tree.unflatten(jax.tree.structure(stored), results)  # type: ignore[no-any-return]
 
-    def elsewhere(*arrays: jax.Array) -> list[jax.Array]:
+    def elsewhere(*arrays: jax.Array) -> list[Any]:
         return [x for leaf in pending for x in leaf.in_xla()]
 
-    flat = jax.lax.platform_dependent(*grads, *stored, cpu=on_cpu, default=elsewhere)
+    flat = jax.lax.platform_dependent(*grads, *stored_arrays, cpu=on_cpu, default=elsewhere)
     return [flat[i * count : (i + 1) * count] for i in range(len(pending))]
 
 
@@ -565,11 +588,12 @@ def scale_by_qhm(
         bytes). Not with ``accumulator_dtype``; not wider than the parameters.
       stochastic_rounding: with ``state_dtype``: ``None`` (stochastic for
         bfloat16 and 8 bits) or a bool; ``False`` rounds to nearest.
-      fused: where a bfloat16 state (rounded stochastically) of a float32
-        parameter is stepped on the CPU. ``None`` (default): in one C++ pass,
-        an XLA custom call built on first use (``csrc/state_cpu.cpp``; a C++
-        compiler is needed, else XLA's operations); ``True``: the same, and an
-        error where it cannot be built; ``False``: XLA's operations. The update
+      fused: where a bfloat16 state (rounded stochastically) or an 8-bit
+        state of a float32 parameter is stepped on the CPU. ``None``
+        (default): in one C++ pass, an XLA custom call built on first use
+        (``csrc/state_cpu.cpp``; a C++ compiler is needed, else XLA's
+        operations); ``True``: the same, and an error where it cannot be
+        built; ``False``: XLA's operations. The update
         is XLA's on every path, and so is every other platform's step, and
         ``None``'s where the process has several CPU devices (the call takes
         whole arrays: under ``fused=True`` XLA gathers a sharded state into
@@ -656,7 +680,7 @@ def scale_by_qhm(
             c = rules.qhm_coefficients(_cast(momentum, jnp.float32), _cast(nu, jnp.float32))
             weights = (c.buffer_decay, c.grad_to_buffer, 0.0, 0.0)
             for slot, (stepped,) in zip(
-                slots, _stepped_states(target, weights, pending), strict=True
+                slots, _stepped_states(target, weights, pending, stochastic), strict=True
             ):
                 new_buffers[slot] = stepped
         buffer_tree = jax.tree.unflatten(treedef, new_buffers)
@@ -738,7 +762,7 @@ def scale_by_qhadam(
         Not with ``mu_dtype``; not wider than the parameters.
       stochastic_rounding: with ``state_dtype``: ``None`` (stochastic for
         bfloat16 and 8 bits) or a bool; ``False`` rounds to nearest.
-      fused: where bfloat16 moments are stepped on the CPU, as in
+      fused: where bfloat16 or 8-bit moments are stepped on the CPU, as in
         :func:`scale_by_qhm`.
 
     Returns:
@@ -881,7 +905,8 @@ def scale_by_qhadam(
             weights = tuple(
                 rules.qhadam_moment_weights(_cast(b1, jnp.float32), _cast(b2, jnp.float32))
             )
-            for slot, states in zip(slots, _stepped_states(target, weights, pending), strict=True):
+            stepped_states = _stepped_states(target, weights, pending, stochastic)
+            for slot, states in zip(slots, stepped_states, strict=True):
                 new_exp_avgs[slot], new_exp_avg_sqs[slot] = states[0], states[1]
                 if amsgrad:
                     new_maxes[slot] = states[2]
@@ -928,7 +953,8 @@ def qhm(
       nu: :math:`\nu`, any finite real (0: SGD, 1: momentum, beta: NAG).
       accumulator_dtype: optional dtype of the momentum buffer.
       state_dtype, stochastic_rounding, fused: store the buffer in a narrower
-        dtype, and where a bfloat16 one is stepped (see :func:`scale_by_qhm`).
+        dtype, and where a bfloat16 or 8-bit one is stepped (see
+        :func:`scale_by_qhm`).
 
     Returns:
       The corresponding :class:`optax.GradientTransformationExtraArgs`.
@@ -1003,7 +1029,7 @@ def qhadam(
       amsgrad: the AMSGrad variant, with torch's convention (see
         :func:`scale_by_qhadam`; not ``optax.amsgrad``'s).
       state_dtype, stochastic_rounding, fused: store the moments in a
-        narrower dtype, and where bfloat16 ones are stepped (see
+        narrower dtype, and where bfloat16 or 8-bit ones are stepped (see
         :func:`scale_by_qhadam`).
 
     Returns:

@@ -1,6 +1,6 @@
-"""The bfloat16 state's C++ step (``csrc/state_cpu.cpp``): an XLA custom call
-for the CPU, built on first use against jaxlib's XLA FFI headers and cached
-on disk.
+"""The narrow state's C++ step (``csrc/state_cpu.cpp``): XLA custom calls for
+the CPU that store a bfloat16 or an 8-bit state, built on first use against
+jaxlib's XLA FFI headers and cached on disk.
 
 The bottom layer of ``qhoptim.optax``: it imports only JAX and the core's
 :mod:`qhoptim._build`. The transformations (``__init__.py``) ask
@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qhoptim import _build
+from qhoptim import _build, rounding
 
 _CSRC = Path(__file__).with_name("csrc") / "state_cpu.cpp"
-#: The handler the library exports, and the name XLA knows it by.
-_SYMBOL = "QHoptimStoreBFloat16State"
+#: The custom calls' names, as XLA knows them, and the handlers the library exports.
 TARGET = "qhoptim_store_bfloat16_state"
+EIGHT_BIT_TARGET = "qhoptim_store_eight_bit_state"
+_SYMBOLS = {TARGET: "QHoptimStoreBFloat16State", EIGHT_BIT_TARGET: "QHoptimStoreEightBitState"}
 
 
 def _fail(reason: str) -> RuntimeError:
@@ -36,8 +37,8 @@ def _fail(reason: str) -> RuntimeError:
 
 
 def state_extension() -> str:
-    """The custom call's target name, registered for the CPU (built on first
-    use, then loaded from the disk cache).
+    """:data:`TARGET`, once both custom calls are registered for the CPU (built
+    on first use, then loaded from the disk cache).
 
     Raises ``RuntimeError`` saying what is missing where it cannot be built.
     """
@@ -83,11 +84,13 @@ def _build_or_load() -> tuple[str | None, str]:
     if reason:
         return None, reason
     try:
-        handler = getattr(ctypes.CDLL(str(library)), _SYMBOL)
+        loaded = ctypes.CDLL(str(library))
+        handlers = {target: getattr(loaded, symbol) for target, symbol in _SYMBOLS.items()}
     except (OSError, AttributeError) as error:  # a broken file
         return None, f"the build in {library} does not load ({error})"
-    capsule = jax.ffi.pycapsule(handler)  # type: ignore[no-untyped-call]
-    jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+    for target, handler in handlers.items():
+        capsule = jax.ffi.pycapsule(handler)  # type: ignore[no-untyped-call]
+        jax.ffi.register_ffi_target(target, capsule, platform="cpu")
     _smoke_test()
     return TARGET, ""
 
@@ -98,8 +101,9 @@ def _build_library(compiler: str, library: Path) -> str:
 
 
 def _smoke_test() -> None:
-    """One QHM buffer step of one value on the CPU: 0.5 * 0 + 0.5 * 1 is 0.5
-    in bfloat16 whatever the rounding's noise."""
+    """One QHM buffer step of one value on the CPU in each call: 0.5 * 0 + 0.5 * 1
+    is 0.5 in bfloat16 whatever the rounding's noise, and in 8 bits its block's
+    scale with the top level's code."""
     # Evaluated now even where the first use is inside a traced function
     # (jit), which would otherwise stage these operations into its trace.
     # Under a transfer guard set for the caller's arrays, these few values move all the same.
@@ -108,13 +112,31 @@ def _smoke_test() -> None:
         jax.transfer_guard("allow"),
         jax.default_device(jax.devices("cpu")[0]),
     ):
+        weights = jnp.asarray([0.5, 0.5, 0.0, 0.0], jnp.float32)
+        seeds, grad = jnp.zeros((1,), jnp.uint32), jnp.ones((1,), jnp.float32)
         shape = jax.ShapeDtypeStruct((1,), jnp.bfloat16)  # type: ignore[no-untyped-call]
         (stepped,) = jax.ffi.ffi_call(TARGET, (shape,))(
-            jnp.asarray([0.5, 0.5, 0.0, 0.0], jnp.float32),
-            jnp.zeros((1,), jnp.uint32),
-            jnp.ones((1,), jnp.float32),
-            jnp.zeros((1,), jnp.bfloat16),
-            states=np.int64(1),
+            weights, seeds, grad, jnp.zeros((1,), jnp.bfloat16), states=np.int64(1)
         )
         if float(stepped[0]) != 0.5:
             raise ValueError(f"one step of 1.0 gave the buffer {float(stepped[0])}")
+        levels = [jnp.asarray(rounding.eight_bit_levels(s), jnp.float32) for s in (True, False)]
+        shapes = (
+            jax.ShapeDtypeStruct((1,), jnp.uint8),  # type: ignore[no-untyped-call]
+            jax.ShapeDtypeStruct((1,), jnp.float32),  # type: ignore[no-untyped-call]
+        )
+        codes, scales = jax.ffi.ffi_call(EIGHT_BIT_TARGET, shapes)(
+            weights,
+            seeds,
+            *levels,
+            grad,
+            jnp.zeros((1,), jnp.uint8),
+            jnp.zeros((1,), jnp.float32),
+            states=np.int64(1),
+            per_octave=np.int64(rounding.EIGHT_BIT_PER_OCTAVE),
+            stochastic=np.int64(1),
+        )
+        top = len(levels[0]) - 1
+        if (int(codes[0]), float(scales[0])) != (top, 0.5):
+            got = f"code {int(codes[0])}, scale {float(scales[0])}"
+            raise ValueError(f"one step of 1.0 gave the 8-bit buffer {got}")

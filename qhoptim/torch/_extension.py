@@ -2,7 +2,8 @@
 then loaded from torch's extension cache.
 
 The bottom layer beside ``_tensors.py``: it imports only torch and the
-core's :mod:`qhoptim.rounding` (whose C++ header the kernel includes). The fused
+core's :mod:`qhoptim.rounding` and :mod:`qhoptim._build` (the C++ headers the
+kernel includes). The fused
 steps (``_fused.py``) and the narrow state's rounding (``_state_dtype.py``) call
 the extension; :func:`cpu_kernel_available` lets a caller fall back to the
 multi-tensor kernels where it cannot be built.
@@ -24,11 +25,9 @@ from typing import Any
 
 import torch
 
-from qhoptim import rounding
+from qhoptim import _build, rounding
 
 _CSRC = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
-#: The header the kernel includes from the core: the rounding rule in C++.
-_SHARED_HEADER = rounding.CPP_INCLUDE_DIR / "rounding.h"
 
 
 @functools.cache
@@ -115,7 +114,8 @@ def _extension_name() -> str:
     # torch builds of one version) sharing the extension cache then each keep
     # their own build instead of rebuilding the other's, even at the same time.
     digest = hashlib.sha256(_CSRC.read_bytes())
-    digest.update(_SHARED_HEADER.read_bytes())
+    for header in _build.shared_headers():  # qhoptim/csrc, which the kernel includes
+        digest.update(header.read_bytes())
     digest.update(str(torch.version.git_version).encode())
     digest.update(" ".join(_cflags()).encode())  # new flags, a new build
     return (

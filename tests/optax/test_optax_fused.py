@@ -1,12 +1,13 @@
-"""qhoptim.optax's C++ state step (``fused``): a bfloat16 state of float32
-parameters stepped and stored in one XLA custom call on the CPU.
+"""qhoptim.optax's C++ state step (``fused``): a bfloat16 or 8-bit state of
+float32 parameters stepped and stored in one XLA custom call on the CPU.
 
 The rule is :mod:`qhoptim.rounding`'s, bit for bit where the moving average is
 exact (``test_optax_state_dtype.py`` runs its rule, resume and conformance
-tests on both paths); elsewhere each stored value is one of the two bfloat16
-neighbours of its average computed within float32's rounding, and the stored
-bits are XLA's operations' own but where XLA contracts a product and a sum
-into one fused multiply-add.
+tests on both paths). Elsewhere a bfloat16 value is one of the two bfloat16
+neighbours of its average computed within float32's rounding; an 8-bit state
+is the NumPy statement of the rule's bytes for the averages computed in
+float32 as written. The stored bits are XLA's operations' own but where XLA
+contracts a product and a sum into one fused multiply-add.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import optax
 import pytest
 
 import qhoptim.optax as qho
+from qhoptim import rounding, rules
 from qhoptim.optax import _extension
 
 #: Set where the step must build (the optax nox session): its tests fail
@@ -39,7 +41,13 @@ def test_the_step_builds() -> None:
     assert target == _extension.TARGET, reason
 
 
-BF16 = jnp.bfloat16
+BF16, U8 = jnp.bfloat16, jnp.uint8
+#: The narrow states the call stores, with the name of its target and how the
+#: state's arrays are spelled in the call's result types.
+NARROW = {
+    "bfloat16": (BF16, _extension.TARGET, "bf16>"),
+    "8-bit": (U8, _extension.EIGHT_BIT_TARGET, "ui8>"),
+}
 #: Shapes that cover a 0-d and an empty parameter, and one of more than
 #: 2**17 values, which is stepped in slices on several threads.
 SHAPES = {"big": (300, 500), "conv": (8, 3, 3, 3), "empty": (0, 4), "scalar": (), "vector": (7,)}
@@ -66,13 +74,14 @@ def _grads(t: int) -> dict[str, jax.Array]:
     }
 
 
-def _calls(tx: Any, params: Any) -> list[int]:
+def _calls(tx: Any, params: Any, narrow: str = "bfloat16") -> list[int]:
     """The number of states each call of the C++ step in ``tx``'s jitted update stores."""
+    _, target, spelled = NARROW[narrow]
     text = jax.jit(tx.update).lower(_grads_like(params), tx.init(params), params).as_text()
     return [
-        line.split("->", 1)[1].count("bf16")
+        line.split("->", 1)[1].count(spelled)
         for line in text.splitlines()
-        if f"custom_call @{_extension.TARGET}(" in line
+        if f"custom_call @{target}(" in line
     ]
 
 
@@ -80,31 +89,35 @@ def _grads_like(params: Any) -> Any:
     return jax.tree.map(jnp.ones_like, params)
 
 
+@pytest.mark.parametrize("narrow", list(NARROW))
 @pytest.mark.parametrize("fused", [None, True])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_every_float32_parameter_with_bfloat16_state_takes_one_call(name: str, fused: Any) -> None:
+def test_every_float32_parameter_with_a_narrow_state_takes_one_call(
+    name: str, fused: Any, narrow: str
+) -> None:
     params = _params()
+    dtype = NARROW[narrow][0]
     states = 1 if name.startswith("qhm") else 3 if "amsgrad" in name else 2
-    assert _calls(CONFIGS[name](state_dtype=BF16, fused=fused), params) == [states * len(SHAPES)]
-    assert _calls(CONFIGS[name](state_dtype=BF16, fused=False), params) == []
+    assert _calls(CONFIGS[name](state_dtype=dtype, fused=fused), params, narrow) == [
+        states * len(SHAPES)
+    ]
+    assert _calls(CONFIGS[name](state_dtype=dtype, fused=False), params, narrow) == []
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [
-        {},
-        {"state_dtype": jnp.uint8},
-        {"state_dtype": BF16, "stochastic_rounding": False},
-    ],
-    ids=["float32-state", "8-bit", "bfloat16-nearest"],
+    [{}, {"state_dtype": BF16, "stochastic_rounding": False}],
+    ids=["float32-state", "bfloat16-nearest"],
 )
 def test_other_states_keep_xla_s_operations(kwargs: dict[str, Any]) -> None:
-    assert _calls(qho.qhadam(1e-2, **kwargs), _params()) == []
+    for narrow in NARROW:
+        assert _calls(qho.qhadam(1e-2, **kwargs), _params(), narrow) == []
 
 
-def test_parameters_of_other_dtypes_keep_xla_s_operations() -> None:
+@pytest.mark.parametrize("narrow", list(NARROW))
+def test_parameters_of_other_dtypes_keep_xla_s_operations(narrow: str) -> None:
     params = {"half": jnp.zeros((4, 4), BF16), "single": jnp.zeros(5, jnp.float32)}
-    assert _calls(qho.qhm(0.1, state_dtype=BF16), params) == [1]
+    assert _calls(qho.qhm(0.1, state_dtype=NARROW[narrow][0]), params, narrow) == [1]
 
 
 def _neighbours(value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -119,9 +132,9 @@ def _neighbours(value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.minimum(lower, upper), np.maximum(lower, upper)
 
 
-def _steps(name: str, fused: bool, state: Any, steps: range) -> Any:
+def _steps(name: str, fused: bool, state: Any, steps: range, state_dtype: Any = BF16) -> Any:
     params = _params()
-    tx = CONFIGS[name](state_dtype=BF16, fused=fused)
+    tx = CONFIGS[name](state_dtype=state_dtype, fused=fused)
     state = tx.init(params) if state is None else state
     update = jax.jit(tx.update)
     for t in steps:
@@ -154,38 +167,106 @@ def test_each_stored_value_rounds_its_average_up_or_down(name: str) -> None:
             assert np.all((low <= got) & (got <= high)), field
 
 
+#: Each configuration's moving averages: (decay, weight) of the first (QHM's
+#: buffer) and of the second moment, as the transformations compute them.
+AVERAGES = {
+    "qhm": rules.qhm_coefficients(0.9, 0.7)[:2],
+    "qhm-nu1": rules.qhm_coefficients(0.99, 1.0)[:2],
+    "qhadam": rules.qhadam_moment_weights(0.9, 0.999),
+    "qhadam-nu2": rules.qhadam_moment_weights(0.8, 0.99),
+    "qhadamw-amsgrad": rules.qhadam_moment_weights(0.9, 0.999),
+}
+
+
+def _moments(state: Any) -> list[list[qho.EightBitArray]]:
+    """Each parameter's 8-bit states, in the call's order (buffer; or first and
+    second moment, and the running maximum)."""
+    inner = next(s for s in state if hasattr(s, "count"))
+    fields = [f for f in ("momentum_buffer", "mu", "nu", "nu_max") if hasattr(inner, f)]
+    is_8_bit = {"is_leaf": lambda x: isinstance(x, qho.EightBitArray)}
+    per_field = [jax.tree.leaves(getattr(inner, f), **is_8_bit) for f in fields]
+    return [list(states) for states in zip(*per_field, strict=True)]
+
+
+@pytest.mark.parametrize("stochastic", [None, False], ids=["stochastic", "nearest"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_the_stored_bits_are_xla_s_but_for_its_fused_multiply_adds(name: str) -> None:
+def test_8_bit_states_are_the_rule_s_bytes_for_the_float32_averages(
+    name: str, stochastic: Any
+) -> None:
+    # One step from a stored 8-bit state: each state's codes and scales are the
+    # NumPy statement's (qhoptim.rounding.eight_bit_encode_reference) for the
+    # moving averages of the decoded state computed in float32, each product
+    # and sum rounded as written -- every byte, for every shape (the big one
+    # in slices on several threads, blocks cut by the end of a parameter).
+    params = _params()
+    tx = CONFIGS[name](state_dtype=U8, stochastic_rounding=stochastic, fused=True)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for t in range(3):
+        _, state = update(_grads(t), state, params)
+    _, after = update(_grads(3), state, params)
+    b1, w1, *second = (np.float32(w) for w in AVERAGES[name])
+    grads = [np.asarray(g).reshape(-1) for g in jax.tree.leaves(_grads(3))]
+    for position, (g, old, new) in enumerate(
+        zip(grads, _moments(state), _moments(after), strict=True)
+    ):
+        decoded = [
+            rounding.eight_bit_decode_reference(np.asarray(x.codes).reshape(-1), x.scales, x.signed)
+            for x in old
+        ]
+        averages = [b1 * decoded[0] + w1 * g]
+        if second:
+            b2, w2 = second
+            averages.append(b2 * decoded[1] + w2 * (g * g))
+        if len(old) == 3:  # the running maximum (NaN from either side, as jnp.maximum)
+            averages.append(np.maximum(decoded[2], averages[1]))
+        for k, (value, stored) in enumerate(zip(averages, new, strict=True)):
+            seed = rounding.rounding_seed(4, rounding.state_index(position, k))
+            codes, scales = rounding.eight_bit_encode_reference(
+                value, stored.signed, seed, stochastic is None
+            )
+            assert np.array_equal(np.asarray(stored.codes).reshape(-1), codes), (position, k)
+            assert np.asarray(stored.scales).tobytes() == scales.tobytes(), (position, k)
+
+
+@pytest.mark.parametrize("narrow", list(NARROW))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_stored_bits_are_xla_s_but_for_its_fused_multiply_adds(name: str, narrow: str) -> None:
     # One step of each path from one state. A wrong noise (another key, seed
     # or slice offset) changes about half the values; XLA's contractions a
-    # few in 100,000.
-    start = _steps(name, False, None, range(4))
-    xla = jax.tree.leaves(_steps(name, False, start, range(4, 5)))
-    cpp = jax.tree.leaves(_steps(name, True, start, range(4, 5)))
+    # few in 100,000 (an 8-bit value's neighbours are a level apart: fewer).
+    dtype = NARROW[narrow][0]
+    start = _steps(name, False, None, range(4), dtype)
+    xla = jax.tree.leaves(_steps(name, False, start, range(4, 5), dtype))
+    cpp = jax.tree.leaves(_steps(name, True, start, range(4, 5), dtype))
     differing = total = 0
     for a, b in zip(xla, cpp, strict=True):
-        if a.dtype != BF16:
-            assert np.array_equal(np.asarray(a), np.asarray(b))
+        if a.dtype not in (BF16, U8):  # the count, an 8-bit state's scales
+            close = np.isclose(np.asarray(a), np.asarray(b), rtol=4e-7, atol=0)
+            assert np.all(close), (a, b)
             continue
-        differing += int(np.sum(np.asarray(a).view(np.uint16) != np.asarray(b).view(np.uint16)))
+        bits = np.dtype(f"uint{8 * a.dtype.itemsize}")  # one per value
+        differing += int(np.sum(np.asarray(a).view(bits) != np.asarray(b).view(bits)))
         total += a.size
     assert total > 0
     assert differing <= total * 1e-3, (differing, total)
 
 
-def test_the_update_is_xla_s_on_both_paths() -> None:
+@pytest.mark.parametrize("narrow", list(NARROW))
+def test_the_update_is_xla_s_on_both_paths(narrow: str) -> None:
     params = _params()
     results = []
     for fused in (False, True):
-        tx = qho.qhadam(1e-2, nu1=0.7, state_dtype=BF16, fused=fused)
+        tx = qho.qhadam(1e-2, nu1=0.7, state_dtype=NARROW[narrow][0], fused=fused)
         updates, _ = jax.jit(tx.update)(_grads(0), tx.init(params), params)
         results.append(updates)
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_donated_state_and_parameters_step_as_kept_ones() -> None:
-    tx = qho.qhadam(1e-2, nu1=0.7, amsgrad=True, state_dtype=BF16, fused=True)
+@pytest.mark.parametrize("narrow", list(NARROW))
+def test_donated_state_and_parameters_step_as_kept_ones(narrow: str) -> None:
+    tx = qho.qhadam(1e-2, nu1=0.7, amsgrad=True, state_dtype=NARROW[narrow][0], fused=True)
 
     def step(params: Any, state: Any, grads: Any) -> Any:
         updates, state = tx.update(grads, state, params)
@@ -202,17 +283,16 @@ def test_donated_state_and_parameters_step_as_kept_ones() -> None:
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-def test_under_vmap_each_member_steps_as_alone() -> None:
-    tx = qho.qhm(0.1, momentum=0.9, nu=0.7, state_dtype=BF16, fused=True)
-    members = jnp.asarray(np.random.default_rng(5).standard_normal((3, 6, 5)), jnp.float32)
+@pytest.mark.parametrize("narrow", list(NARROW))
+def test_under_vmap_each_member_steps_as_alone(narrow: str) -> None:
+    tx = qho.qhm(0.1, momentum=0.9, nu=0.7, state_dtype=NARROW[narrow][0], fused=True)
+    members = jnp.asarray(np.random.default_rng(5).standard_normal((3, 600, 5)), jnp.float32)
     state = jax.vmap(tx.init)(members)
     _, batched = jax.jit(jax.vmap(tx.update))(members, state, members)
     for i in range(3):
         _, alone = jax.jit(tx.update)(members[i], tx.init(members[i]), members[i])
-        assert np.array_equal(
-            np.asarray(batched[0].momentum_buffer[i]).view(np.uint16),
-            np.asarray(alone[0].momentum_buffer).view(np.uint16),
-        )
+        for a, b in zip(jax.tree.leaves(batched[0]), jax.tree.leaves(alone[0]), strict=True):
+            assert np.asarray(a[i]).tobytes() == np.asarray(b).tobytes()
 
 
 @pytest.mark.parametrize(
@@ -220,7 +300,7 @@ def test_under_vmap_each_member_steps_as_alone() -> None:
     [
         ({"fused": 1}, TypeError, r"fused must be a bool"),
         ({"fused": True}, ValueError, r"received state_dtype=None"),
-        ({"fused": True, "state_dtype": jnp.uint8}, ValueError, r"state_dtype='uint8'"),
+        ({"fused": True, "state_dtype": jnp.float32}, ValueError, r"state_dtype='float32'"),
         (
             {"fused": True, "state_dtype": BF16, "stochastic_rounding": False},
             ValueError,
@@ -256,6 +336,7 @@ SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import qhoptim.optax as qho
+from qhoptim import rounding, rules
 sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
 params = {"w": jax.device_put(jnp.ones((64, 8), jnp.float32), sharding)}
 for fused in (None, True, False):
@@ -328,6 +409,7 @@ def test_a_transfer_guard_does_not_stop_the_first_build(monkeypatch: pytest.Monk
 WITHOUT_X64 = """
 import jax, jax.numpy as jnp, numpy as np
 import qhoptim.optax as qho
+from qhoptim import rounding, rules
 assert not jax.config.jax_enable_x64
 rng = np.random.default_rng(0)
 params = {"w": jnp.asarray(rng.standard_normal((70, 30)), jnp.float32)}

@@ -42,8 +42,13 @@ def _kwargs(family: str, accepted: frozenset[str], entry: Invalid) -> dict[str, 
 
 
 #: Each path a transformation may step on: XLA's operations, and a bfloat16
-#: state in the C++ state step (``fused=True``); the table's errors are the same.
-PATHS = {"xla": {}, "fused": {"state_dtype": jnp.bfloat16, "fused": True}}
+#: or 8-bit state in the C++ state step (``fused=True``); the table's errors
+#: are the same.
+PATHS = {
+    "xla": {},
+    "fused": {"state_dtype": jnp.bfloat16, "fused": True},
+    "fused-8-bit": {"state_dtype": jnp.uint8, "fused": True},
+}
 
 
 @pytest.mark.parametrize("path", list(PATHS))

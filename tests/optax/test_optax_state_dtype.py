@@ -67,8 +67,8 @@ def test_the_state_is_stored_in_bfloat16_at_half_the_bytes(name: str) -> None:
         assert narrow_bytes == 4 * sum(p.size for p in params.values())
 
 
-#: Where a bfloat16 state is stepped: XLA's operations, or the C++ custom
-#: call where it builds (test_optax_fused.py).
+#: Where a bfloat16 or 8-bit state is stepped: XLA's operations, or the C++
+#: custom call where it builds (test_optax_fused.py).
 FUSED = [
     False,
     pytest.param(
@@ -103,7 +103,8 @@ def test_the_rounding_is_the_rule_every_backend_follows(fused: bool) -> None:
 NARROW = [
     pytest.param({"state_dtype": BF16, "fused": False}, id="bfloat16"),
     pytest.param({"state_dtype": BF16, "fused": True}, id="bfloat16-fused", marks=FUSED[1].marks),
-    pytest.param({"state_dtype": U8}, id="8-bit"),
+    pytest.param({"state_dtype": U8, "fused": False}, id="8-bit"),
+    pytest.param({"state_dtype": U8, "fused": True}, id="8-bit-fused", marks=FUSED[1].marks),
 ]
 
 
@@ -253,7 +254,8 @@ def test_the_8_bit_state_takes_a_byte_and_a_share_of_a_scale_per_value(name: str
     assert _packed_bytes(state) == per_parameter * want
 
 
-def test_the_8_bit_codes_are_the_rule_every_backend_follows() -> None:
+@pytest.mark.parametrize("fused", FUSED, ids=["xla", "fused"])
+def test_the_8_bit_codes_are_the_rule_every_backend_follows(fused: bool) -> None:
     # QHAdam with betas 0 stores the gradient (signed) and its square
     # (unsigned), encoded: the leaf at position 1 ("b") is state index 4 * 1
     # (+ 1 for the second moment). A NaN keeps to its own code; a block of
@@ -264,7 +266,9 @@ def test_the_8_bit_codes_are_the_rule_every_backend_follows() -> None:
     params = {"a": jnp.zeros(3), "b": jnp.zeros((50, 7)), "c": jnp.zeros(2)}
     grads = {"a": jnp.ones(3), "b": jnp.asarray(g), "c": jnp.ones(2)}
     for stochastic in (None, False):
-        tx = qho.scale_by_qhadam(b1=0.0, b2=0.0, state_dtype=U8, stochastic_rounding=stochastic)
+        tx = qho.scale_by_qhadam(
+            b1=0.0, b2=0.0, state_dtype=U8, stochastic_rounding=stochastic, fused=fused
+        )
         state = tx.init(params)
         for step in (1, 2):
             _, state = jax.jit(tx.update)(grads, state)
@@ -308,7 +312,8 @@ def test_decoded_state_reads_8_bit_state_and_changes_nothing() -> None:
     assert jax.tree.all(jax.tree.map(np.array_equal, qho.decoded_state(plain), plain))
 
 
-def test_8_bit_codes_of_values_over_sixty_decades_are_the_rules() -> None:
+@pytest.mark.parametrize("fused", FUSED, ids=["xla", "fused"])
+def test_8_bit_codes_of_values_over_sixty_decades_are_the_rules(fused: bool) -> None:
     # A million values whose blocks' scales span 1e-13 .. 1e13: the
     # reciprocal-of-the-scale products and the threshold products land on
     # the reference's side of every level (XLA's own arithmetic, no division).
@@ -316,7 +321,7 @@ def test_8_bit_codes_of_values_over_sixty_decades_are_the_rules() -> None:
     n = 1_000_003  # a partial last block
     decades = np.exp(rng.uniform(-30, 30, n // 256 + 1)).repeat(256)[:n]
     g = (rng.standard_normal(n) * decades).astype(np.float32)
-    tx = qho.scale_by_qhadam(b1=0.0, b2=0.0, state_dtype=U8)
+    tx = qho.scale_by_qhadam(b1=0.0, b2=0.0, state_dtype=U8, fused=fused)
     params = {"w": jnp.zeros(n)}
     _, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, tx.init(params))
     for k, (moment, values) in enumerate(((state.mu, g), (state.nu, g * g))):

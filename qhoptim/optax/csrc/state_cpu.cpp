@@ -1,9 +1,11 @@
-// qhoptim.optax's bfloat16 state on the CPU: one XLA custom call per step
-// that steps every parameter's moving averages and stores them in
-// bfloat16, rounded stochastically by qhoptim.rounding's rule -- one pass
-// over the state where XLA's own fusions, for want of fusing the rounding's
+// qhoptim.optax's narrow state on the CPU: one XLA custom call per step
+// that steps every parameter's moving averages and stores them in bfloat16,
+// rounded stochastically by qhoptim.rounding's rule (StoreBFloat16State), or
+// in 8 bits (StoreEightBitState: qhoptim/csrc/eight_bit.h) -- one pass over
+// the state where XLA's own fusions, for want of fusing the rounding's
 // integer hash with the moving averages across a parameter's many arrays,
-// take several. The update itself (the direction optax returns) stays with
+// take several (for 8 bits, one each for the blocks' scales, the codes and
+// the decoded values). The update itself (the direction optax returns) stays with
 // XLA, which fuses it into optax.apply_updates; it reads the old state, as
 // this call does, so that the new state never passes through a float32 array.
 //
@@ -22,7 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "rounding.h"  // qhoptim/csrc, on the include path
+#include "eight_bit.h"  // qhoptim/csrc, on the include path
+#include "rounding.h"
 #include "slices.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -46,6 +49,13 @@ inline float nan_maximum(float a, float b) { return std::isnan(a) ? a : (a > b ?
 // moving average's decay and the weight of what it averages,
 // rules.qhadam_moment_weights's order.
 enum Coefficient : int { kDecay1, kWeight1, kDecay2, kWeight2 };
+
+// qhoptim.rounding's rule for 8 bits.
+namespace eight_bit = qhoptim::eight_bit;
+using eight_bit::kBlock;
+// Each value's noise is keyed by its position modulo 2**32, as XLA's path
+// keys it (qhoptim.optax._noise16: uint32 positions wrap).
+constexpr bool kWrap = true;
 
 // One parameter's states: `in` the stored ones, `out` the new ones (other
 // buffers: XLA writes the new state beside the old, which the update's own
@@ -172,11 +182,164 @@ ffi::Error StoreBFloat16State(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ff
   }
 }
 
+
+// ----------------------------------------------------------- 8-bit state
+// One parameter's 8-bit states: each the codes (a byte per value) and the
+// blocks' scales, stored (`in`) and new (`out`).
+struct EightBitLeaf {
+  const float* grad;
+  const uint8_t* codes_in[3];
+  const float* scales_in[3];
+  uint8_t* codes_out[3];
+  float* scales_out[3];
+  const uint32_t* seeds;
+  int64_t size;
+};
+
+// The states' ladders: QHM's buffer and QHAdam's first moment signed, the
+// second moment and its running maximum not (qhoptim.optax's _zeros_state).
+struct EightBitRule {
+  const eight_bit::Ladder* ladder[3];
+  bool is_signed[3];
+  bool stochastic;
+};
+
+// The moving averages of `len` values of a block, decoded into `local`,
+// stepped as the bfloat16 loops above step them.
+void step_block(float (*local)[kBlock], const float* __restrict__ g, int64_t len, int64_t count,
+                const float* c) {
+  const float b1 = c[kDecay1], w1 = c[kWeight1], b2 = c[kDecay2], w2 = c[kWeight2];
+  float* __restrict__ m = local[0];
+  if (count == 1) {
+    for (int64_t i = 0; i < len; ++i) m[i] = b1 * m[i] + w1 * g[i];
+    return;
+  }
+  float* __restrict__ v = local[1];
+  for (int64_t i = 0; i < len; ++i) {
+    const float grad = g[i];
+    m[i] = b1 * m[i] + w1 * grad;
+    v[i] = b2 * v[i] + w2 * (grad * grad);
+  }
+  if (count == 3) {
+    float* __restrict__ largest = local[2];
+    for (int64_t i = 0; i < len; ++i) largest[i] = nan_maximum(largest[i], v[i]);
+  }
+}
+
+// Blocks [first, first + n) of one parameter: each decoded, stepped and
+// encoded, in one pass over its memory.
+void step_blocks(const EightBitLeaf& leaf, int64_t count, const EightBitRule& rule, const float* c,
+                 int64_t first, int64_t n) {
+  alignas(64) float local[3][kBlock];
+  for (int64_t b = first; b < first + n; ++b) {
+    const int64_t lo = b * kBlock, len = std::min(leaf.size, lo + kBlock) - lo;
+    for (int64_t k = 0; k < count; ++k) {
+      eight_bit::decode_block(local[k], leaf.codes_in[k] + lo, len, leaf.scales_in[k][b],
+                              *rule.ladder[k], rule.is_signed[k]);
+    }
+    step_block(local, leaf.grad + lo, len, count, c);
+    for (int64_t k = 0; k < count; ++k) {
+      eight_bit::encode_block<kWrap>(leaf.codes_out[k] + lo, leaf.scales_out[k] + b, local[k], lo, len,
+                                     *rule.ladder[k], rule.is_signed[k], leaf.seeds[k], rule.stochastic);
+    }
+  }
+}
+
+// StoreEightBitState's work, once its arguments' counts are checked.
+ffi::Error step_all_eight_bit(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ffi::U32> seeds,
+                              const EightBitRule& rule, const ffi::RemainingArgs& arrays,
+                              const ffi::RemainingRets& stepped, int64_t count, int64_t leaves) {
+  std::vector<EightBitLeaf> all(leaves);
+  std::vector<int64_t> starts(leaves + 1, 0);  // where each parameter's blocks begin
+  for (int64_t l = 0; l < leaves; ++l) {
+    auto grad = arrays.get<ffi::Buffer<ffi::F32>>(l);
+    if (!grad.has_value()) return ffi::Error::InvalidArgument("qhoptim's 8-bit state: float32 gradients");
+    EightBitLeaf& leaf = all[l];
+    leaf.grad = grad->typed_data();
+    leaf.size = static_cast<int64_t>(grad->element_count());
+    leaf.seeds = seeds.typed_data() + l * count;
+    const int64_t blocks = (leaf.size + kBlock - 1) / kBlock;
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t at = 2 * (l * count + k);  // this state's codes, then its scales
+      auto codes_in = arrays.get<ffi::Buffer<ffi::U8>>(leaves + at);
+      auto scales_in = arrays.get<ffi::Buffer<ffi::F32>>(leaves + at + 1);
+      auto codes_out = stepped.get<ffi::Buffer<ffi::U8>>(at);
+      auto scales_out = stepped.get<ffi::Buffer<ffi::F32>>(at + 1);
+      if (!codes_in.has_value() || !scales_in.has_value() || !codes_out.has_value() ||
+          !scales_out.has_value()) {
+        return ffi::Error::InvalidArgument("qhoptim's 8-bit state: uint8 codes and float32 scales");
+      }
+      if (static_cast<int64_t>(codes_in->element_count()) != leaf.size ||
+          static_cast<int64_t>((*codes_out)->element_count()) != leaf.size ||
+          static_cast<int64_t>(scales_in->element_count()) != blocks ||
+          static_cast<int64_t>((*scales_out)->element_count()) != blocks) {
+        return ffi::Error::InvalidArgument(
+            "qhoptim's 8-bit state: a code for each value, a scale for each block of 256");
+      }
+      leaf.codes_in[k] = codes_in->typed_data();
+      leaf.scales_in[k] = scales_in->typed_data();
+      leaf.codes_out[k] = (*codes_out)->typed_data();
+      leaf.scales_out[k] = (*scales_out)->typed_data();
+    }
+    starts[l + 1] = starts[l] + blocks;
+  }
+  const float* c = coefficients.typed_data();
+  qhoptim::slices::for_each_slice(
+      starts[leaves],
+      [&](int64_t first, int64_t n) {
+        int64_t l = std::upper_bound(starts.begin(), starts.end(), first) - starts.begin() - 1;
+        for (int64_t end = first + n; first < end; ++l) {
+          const int64_t stop = std::min(end, starts[l + 1]);
+          if (stop > first) step_blocks(all[l], count, rule, c, first - starts[l], stop - first);
+          first = stop;
+        }
+      },
+      kBlock);
+  return ffi::Error::Success();
+}
+
+// StoreBFloat16State for 8-bit states (qhoptim.optax.EightBitArray):
+// arguments the coefficients, the seeds, the signed and the unsigned ladder
+// (qhoptim.rounding.eight_bit_levels, float32), the gradients, then each
+// parameter's states as codes and scales; results the new codes and scales
+// in the same order. `per_octave` is the ladders' levels per halving,
+// `stochastic` whether values round stochastically (1) or to nearest (0).
+ffi::Error StoreEightBitState(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ffi::U32> seeds,
+                              ffi::Buffer<ffi::F32> signed_levels, ffi::Buffer<ffi::F32> unsigned_levels,
+                              ffi::RemainingArgs arrays, ffi::RemainingRets stepped, int64_t count,
+                              int64_t per_octave, int64_t stochastic) {
+  const int64_t args = static_cast<int64_t>(arrays.size());
+  if (count < 1 || count > 3 || args % (2 * count + 1) != 0 || coefficients.element_count() != 4) {
+    return ffi::Error::InvalidArgument("qhoptim's 8-bit state: 1 to 3 states a parameter, 4 coefficients");
+  }
+  const int64_t leaves = args / (2 * count + 1);
+  if (static_cast<int64_t>(stepped.size()) != 2 * leaves * count ||
+      static_cast<int64_t>(seeds.element_count()) != leaves * count) {
+    return ffi::Error::InvalidArgument("qhoptim's 8-bit state: codes and scales and a seed for each state");
+  }
+  const int64_t signed_count = static_cast<int64_t>(signed_levels.element_count());
+  const int64_t unsigned_count = static_cast<int64_t>(unsigned_levels.element_count());
+  if (!eight_bit::ladder_fits(signed_count, per_octave) || !eight_bit::ladder_fits(unsigned_count, per_octave)) {
+    return ffi::Error::InvalidArgument("qhoptim's 8-bit state: at most 256 levels, 1 to 255 per octave");
+  }
+  try {
+    const eight_bit::Ladder with_sign = eight_bit::ladder_of_levels(
+        signed_levels.typed_data(), static_cast<int>(signed_count), static_cast<int>(per_octave));
+    const eight_bit::Ladder without = eight_bit::ladder_of_levels(
+        unsigned_levels.typed_data(), static_cast<int>(unsigned_count), static_cast<int>(per_octave));
+    const EightBitRule rule{{&with_sign, &without, &without}, {true, false, false}, stochastic != 0};
+    return step_all_eight_bit(coefficients, seeds, rule, arrays, stepped, count, leaves);
+  } catch (const std::exception& error) {  // no exception crosses into XLA
+    return ffi::Error::Internal(std::string("qhoptim's 8-bit state: ") + error.what());
+  }
+}
+
 }  // namespace
 
-// The one symbol the library exports (it is built with -fvisibility=hidden);
-// qhoptim/optax/_extension.py registers it as an XLA custom call target.
+// The symbols the library exports (it is built with -fvisibility=hidden);
+// qhoptim/optax/_extension.py registers them as XLA custom call targets.
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* QHoptimStoreBFloat16State(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* QHoptimStoreEightBitState(XLA_FFI_CallFrame*);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QHoptimStoreBFloat16State, StoreBFloat16State,
                               ffi::Ffi::Bind()
@@ -185,3 +348,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QHoptimStoreBFloat16State, StoreBFloat16State,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("states"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QHoptimStoreEightBitState, StoreEightBitState,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("states")
+                                  .Attr<int64_t>("per_octave")
+                                  .Attr<int64_t>("stochastic"));

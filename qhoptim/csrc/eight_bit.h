@@ -1,0 +1,708 @@
+// qhoptim.rounding's 8-bit blockwise state in C++: the code book's ladder,
+// each block's scale, and the codes' encoding (stochastic or to nearest) and
+// decoding, the same bytes as qhoptim.rounding.eight_bit_encode_reference and
+// eight_bit_decode_reference. Shared by the torch backend's fused CPU kernel
+// (qhoptim/torch/csrc) and the optax backend's state step (qhoptim/optax/csrc),
+// which include it; each tests its codes against the NumPy statement.
+//
+// The vector loops below use AVX2 and AVX-512 where the build targets them
+// (the same codes as the scalar loops, which finish each block).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "rounding.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace qhoptim::eight_bit {
+
+using qhoptim::rounding::hash32_of_key;
+using qhoptim::rounding::kGolden;
+using qhoptim::rounding::needs_fold;
+using qhoptim::rounding::position_key;
+
+// `levels` are qhoptim.rounding.eight_bit_levels: 0 and a geometric ladder to
+// 1, ascending; a signed state's codes keep the sign in their top bit. Each block of kBlock values has a float32 scale, its largest
+// finite magnitude.
+constexpr int64_t kBlock = 256;
+// Magnitudes and ratios below float32's smallest normal number are read as 0
+// (qhoptim.rounding.EIGHT_BIT_SMALLEST).
+constexpr float kSmallestNormal = std::numeric_limits<float>::min();
+
+// The codes of non-finite values (qhoptim.rounding.EIGHT_BIT_NON_FINITE): a
+// signed state's NaN or infinity (its "-0", otherwise unused) reads back as
+// NaN; an unsigned one's (a second moment that overflowed) as +inf, as a
+// float32 state would hold it. The block's other values keep their scale.
+constexpr int kSignedNonFinite = 128;
+constexpr int kUnsignedInfinite = 1;
+
+// The levels of an 8-bit state and how to find them: `lv` ascending, `nl` of
+// them, `per_octave` levels per halving (qhoptim.rounding.EIGHT_BIT_PER_OCTAVE).
+// `geometric`: the levels are 0 and octave[r] * 2**q, the level k's r and q
+// those of k - (nl - 1) = 8 q + r (0 <= r < 8), octave[8] = 2 (ladder_of_levels
+// checks it against the table); the vector loops then find and read levels
+// with register permutes, where reading them from the table would take a
+// gather (which compilers spell as eight scalar loads) per value.
+constexpr int kOctave = 8;
+struct Ladder {
+  const float* lv;
+  int nl;
+  int per_octave;
+  bool geometric;
+  float octave[kOctave + 1];
+  // octave[r + 1] - octave[r] (exact: both lie in [1, 2]), times 2**-16 (the
+  // noise's unit) and times 1/2 (rounding to nearest): see FastCase.
+  float noise_gap[kOctave];
+  float half_gap[kOctave];
+};
+
+// Whether `lv` is a geometric ladder of kOctave levels per octave (see
+// Ladder), its octave written to `octave`; also that the vector loops' first
+// guess of a level, from the top three bits of a mantissa, is the level or
+// the one below it.
+bool geometric_ladder(const float* lv, int nl, float* octave) {
+  const int top = nl - 1;
+  if (nl < kOctave + 2 || lv[0] != 0.0f || lv[top] != 1.0f) {
+    return false;
+  }
+  for (int r = 0; r < kOctave; ++r) {
+    octave[r] = 2.0f * lv[top - kOctave + r];
+  }
+  octave[kOctave] = 2.0f;
+  for (int k = 1; k <= top; ++k) {
+    const int d = k - top;  // <= 0: q = floor(d / 8), r = d mod 8
+    if (lv[k] != std::ldexp(octave[d & (kOctave - 1)], d >> 3)) {
+      return false;
+    }
+  }
+  for (int r = 0; r < kOctave; ++r) {
+    const float start = 1.0f + static_cast<float>(r) / kOctave;  // the mantissas r * 1/8 ..
+    if (!(octave[r] < octave[r + 1]) || !(octave[r] <= start) ||
+        (r + 2 <= kOctave && !(octave[r + 2] >= start + 1.0f / kOctave))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// One block's 8-bit arithmetic, written for the compiler to vectorize (with
+// AVX2, 8 values at a time, the table read by gathers): 32-bit integers, no
+// branch, and each choice as arithmetic or a mask where a select would put a
+// table's load on one side of a branch and keep the loop scalar. Blocks hold
+// at most kBlock values.
+
+// A block's scale: its largest finite magnitude, found on the magnitudes' bit
+// patterns (ordered as the magnitudes are), where a float maximum that skips
+// NaNs would not vectorize. A NaN or an infinity counts as 0: it takes its own
+// code and leaves the others' scale alone.
+inline float block_scale(const float* __restrict__ x, int len) {
+  int32_t largest = 0;
+  for (int i = 0; i < len; ++i) {
+    int32_t bits;
+    std::memcpy(&bits, &x[i], sizeof(bits));
+    bits &= 0x7FFFFFFF;
+    // Finite and normal: a subnormal magnitude counts as 0 (the 8-bit rule's flush).
+    largest = std::max(largest, bits < 0x7F800000 && bits >= 0x00800000 ? bits : 0);
+  }
+  float scale;
+  std::memcpy(&scale, &largest, sizeof(scale));
+  return scale;
+}
+
+#if defined(__AVX2__)
+// The vector loops of a geometric ladder (Ladder), 8 values at a time: the
+// same numbers as the loops below them, which finish each block's last few
+// values. A level k >= 1 is octave[r] * 2**q exactly (q >= -32), so the
+// products below are those of the table's level.
+
+// 2**q for 8 integers q > -127.
+inline __m256 power_of_two(__m256i q) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(127)), 23));
+}
+
+template <bool SIGNED>
+inline int decode_values_avx2(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
+                              float scale, const Ladder& ladder) {
+  const __m256 octave = _mm256_loadu_ps(ladder.octave);
+  const __m256i top = _mm256_set1_epi32(ladder.nl - 1), zero = _mm256_setzero_si256();
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  int i = 0;
+  for (; i + 8 <= len; i += 8) {
+    __m128i bytes;
+    std::memcpy(&bytes, c + i, 8);  // the low 8 bytes; the rest is unused
+    const __m256i code = _mm256_cvtepu8_epi32(bytes);
+    const __m256i k = SIGNED ? _mm256_and_si256(code, _mm256_set1_epi32(127)) : code;
+    const __m256i d = _mm256_sub_epi32(k, top);
+    const __m256 level =
+        _mm256_mul_ps(_mm256_permutevar8x32_ps(octave, d),  // permutes read d's 3 low bits
+                      power_of_two(_mm256_srai_epi32(d, 3)));
+    __m256 value = _mm256_mul_ps(level, scale8);
+    value = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(k, zero)), value);  // level 0
+    if constexpr (SIGNED) {
+      const __m256i negative = _mm256_cmpgt_epi32(code, _mm256_set1_epi32(128));
+      value = _mm256_xor_ps(value, _mm256_castsi256_ps(_mm256_slli_epi32(negative, 31)));
+      const __m256i non_finite = _mm256_cmpeq_epi32(code, _mm256_set1_epi32(kSignedNonFinite));
+      value = _mm256_blendv_ps(value, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                               _mm256_castsi256_ps(non_finite));
+    } else {
+      const __m256i infinite = _mm256_cmpeq_epi32(code, _mm256_set1_epi32(kUnsignedInfinite));
+      value = _mm256_blendv_ps(value, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                               _mm256_castsi256_ps(infinite));
+    }
+    _mm256_storeu_ps(x + i, value);
+  }
+  return i;
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define QHOPTIM_AVX512 1
+// The same loops 16 values at a time, where the CPU and the build have
+// AVX-512: masks in place of blends, the octave twice over in a 16-entry
+// register (a permute reads an index's 4 low bits), codes narrowed in one
+// instruction.
+
+// A vector the compiler must keep (in a register, or spilled): GCC otherwise
+// makes some constants again on every pass of a loop, a broadcast from a
+// general register each -- a uop on the port the encoding's permutes
+// and comparisons already crowd (it took 9% longer without).
+inline __m512i kept(__m512i v) {
+  asm("" : "+v"(v));
+  return v;
+}
+inline __m512 kept(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+inline __m512 octave16(const float* octave) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(octave)); }
+
+inline __m512 power_of_two(__m512i q) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(127)), 23));
+}
+
+template <bool SIGNED>
+inline int decode_values_avx512(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
+                                float scale, const Ladder& ladder) {
+  const __m512 octave = octave16(ladder.octave);
+  const __m512i top = _mm512_set1_epi32(ladder.nl - 1), zero = _mm512_setzero_si512();
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  int i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+    const __m512i k = SIGNED ? _mm512_and_si512(code, _mm512_set1_epi32(127)) : code;
+    const __m512i d = _mm512_sub_epi32(k, top);
+    const __m512 level = _mm512_mul_ps(_mm512_permutexvar_ps(d, octave),
+                                       power_of_two(_mm512_srai_epi32(d, 3)));
+    __m512 value = _mm512_maskz_mov_ps(_mm512_cmpneq_epi32_mask(k, zero),  // level 0
+                                       _mm512_mul_ps(level, scale16));
+    if constexpr (SIGNED) {
+      const __mmask16 negative = _mm512_cmpgt_epi32_mask(code, _mm512_set1_epi32(128));
+      value = _mm512_mask_xor_ps(value, negative, value, _mm512_set1_ps(-0.0f));
+      value = _mm512_mask_mov_ps(
+          value, _mm512_cmpeq_epi32_mask(code, _mm512_set1_epi32(kSignedNonFinite)),
+          _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+    } else {
+      value = _mm512_mask_mov_ps(
+          value, _mm512_cmpeq_epi32_mask(code, _mm512_set1_epi32(kUnsignedInfinite)),
+          _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+    }
+    _mm512_storeu_ps(x + i, value);
+  }
+  return i;
+}
+#endif
+
+// Decode `len` codes of a block of `scale` into `x`.
+template <bool SIGNED>
+inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
+                          float scale, const Ladder& ladder) {
+  const float* __restrict__ lv = ladder.lv;
+  int i = 0;
+  if (ladder.geometric) {
+#if defined(QHOPTIM_AVX512)
+    i = decode_values_avx512<SIGNED>(x, c, len, scale, ladder);
+#endif
+#if defined(__AVX2__)
+    i += decode_values_avx2<SIGNED>(x + i, c + i, len - i, scale, ladder);
+#endif
+  }
+  for (; i < len; ++i) {
+    const int code = c[i];
+    if constexpr (SIGNED) {
+      const float value = lv[code & 127] * scale;
+      const float signed_value = code > 128 ? -value : value;
+      x[i] = code == kSignedNonFinite ? std::numeric_limits<float>::quiet_NaN() : signed_value;
+    } else {
+      // + inf rather than a select of it (see above); the level's value is finite.
+      const float infinite =
+          code == kUnsignedInfinite ? std::numeric_limits<float>::infinity() : 0.0f;
+      x[i] = lv[code] * scale + infinite;
+    }
+  }
+}
+
+// The vector loops' fast case: a vector whose ratios are all normal numbers
+// in [lv[1], 1] (lv[2] for an unsigned state, whose code 1 is infinity's),
+// whose magnitudes are normal too (as the rule reads them), so that the level
+// below each is not 0. A ratio 2**e * m (1 <= m < 2) lies between
+// octave[r] * 2**e and octave[r + 1] * 2**e; its distance to the lower one,
+// (m - octave[r]) * 2**e, and the levels' gap, (octave[r + 1] - octave[r]) *
+// 2**e, are exact in float32 (each a difference of two numbers in one
+// binade), so the rule's comparison
+//   ratio - below > threshold * (above - below)
+// is m - octave[r] > threshold * gap[r], both sides scaled by 2**e; and the
+// threshold's product with gap[r] is the noise's with gap[r] * 2**-16
+// (exact), or gap[r] / 2 to nearest. 8 e + r, the level's distance in levels
+// from 2**0, is the ratio's bits >> 20 (its exponent and the mantissa's top
+// three bits, geometric_ladder's first guess) or one more, less 8 * 127 (the
+// exponent field's bias). A ratio of 1 is the top level itself, at distance
+// 0, which no threshold exceeds: the top's code, as the rule gives it. A
+// vector with any other case -- 0, the bottom rung, NaN and infinity,
+// subnormals -- takes the general steps.
+struct FastCase {
+  static constexpr int32_t kOneBits = 0x3F800000;  // 1.0f
+  int32_t lowest_bits;  // the fast ratios' bit patterns: lowest_bits .. + span
+  int32_t span;
+  const float* gaps;  // the threshold's unit times each rung's gap
+  int32_t code_of_rung;  // code = (8 e + r + 8 * 127) + code_of_rung
+  FastCase(const Ladder& ladder, bool is_signed, bool stochastic) {
+    std::memcpy(&lowest_bits, &ladder.lv[is_signed ? 1 : 2], sizeof(lowest_bits));
+    span = kOneBits - lowest_bits;
+    gaps = stochastic ? ladder.noise_gap : ladder.half_gap;
+    code_of_rung = ladder.nl - 1 - 8 * 127;
+  }
+};
+
+#if defined(__AVX2__)
+// hash32_of_key of 8 keys.
+inline __m256i hash32_of_key_avx2(uint32_t seed, __m256i key) {
+  __m256i x = _mm256_xor_si256(key, _mm256_set1_epi32(static_cast<int>(seed)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// encode_values' loop for a geometric ladder, 8 values at a time (positions
+// below 2**32): the level below a ratio 2**e * m (1 <= m < 2) is 8 e + r
+// levels from the top, r the last with octave[r] <= m -- the mantissa's top
+// three bits or one more (geometric_ladder checks that). The same codes as
+// the loop of encode_values, step for step.
+template <bool SIGNED, bool STOCHASTIC>
+inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__ x,
+                              uint32_t first, int len, float inverse_scale, const Ladder& ladder,
+                              uint32_t s) {
+  const int nl = ladder.nl;
+  const __m256 octave = _mm256_loadu_ps(ladder.octave);
+  const __m256 octave_above = _mm256_loadu_ps(ladder.octave + 1);
+  const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 smallest = _mm256_set1_ps(kSmallestNormal);
+  const __m256 inverse = _mm256_set1_ps(inverse_scale);
+  const __m256i top = _mm256_set1_epi32(nl - 1), highest_low = _mm256_set1_epi32(nl - 2);
+  const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+  const __m256 first_level = _mm256_set1_ps(ladder.lv[1]);
+  const __m256 last_below = _mm256_set1_ps(ladder.lv[nl - 2]);
+  const __m256 last_above = _mm256_set1_ps(ladder.lv[nl - 1]);
+  // The lanes' hash keys (position_key), advanced by 8 positions' worth a vector.
+  __m256i key = _mm256_add_epi32(
+      _mm256_set1_epi32(static_cast<int>(first * kGolden)),
+      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                         _mm256_set1_epi32(static_cast<int>(kGolden))));
+  const __m256i key_step = _mm256_set1_epi32(static_cast<int>(8u * kGolden));
+  const FastCase fast_case(ladder, SIGNED, STOCHASTIC);
+  const __m256i lowest = _mm256_set1_epi32(fast_case.lowest_bits);
+  const __m256i span = _mm256_set1_epi32(fast_case.span);
+  const __m256i one_bits = _mm256_set1_epi32(FastCase::kOneBits);
+  const __m256i mantissa_bits = _mm256_set1_epi32(0x7FFFFF);
+  const __m256 gaps = _mm256_loadu_ps(fast_case.gaps);
+  const __m256i code_of_rung = _mm256_set1_epi32(fast_case.code_of_rung);
+  int i = 0;
+  for (; i + 8 <= len; i += 8, key = _mm256_add_epi32(key, key_step)) {
+    const __m256 value = _mm256_loadu_ps(x + i);
+    const __m256 absolute = _mm256_and_ps(value, magnitude_mask);
+    // The fast case (FastCase), and the general steps for the others. The
+    // range's unsigned comparison as a maximum: a ratio's NaN may have its
+    // sign bit set.
+    const __m256 fast_ratio = _mm256_mul_ps(absolute, inverse);
+    const __m256i fast_bits = _mm256_castps_si256(fast_ratio);
+    const __m256i offset = _mm256_sub_epi32(fast_bits, lowest);
+    const __m256 fast = _mm256_and_ps(
+        _mm256_cmp_ps(absolute, smallest, _CMP_GE_OQ),
+        _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_max_epu32(offset, span), span)));
+    if (_mm256_movemask_ps(fast) == 0xFF) {
+      const __m256 m = _mm256_castsi256_ps(
+          _mm256_or_si256(_mm256_and_si256(fast_bits, mantissa_bits), one_bits));
+      const __m256i guess = _mm256_srli_epi32(fast_bits, 20);
+      const __m256i up_one = _mm256_castps_si256(
+          _mm256_cmp_ps(m, _mm256_permutevar8x32_ps(octave_above, guess), _CMP_GE_OQ));
+      const __m256i rung = _mm256_sub_epi32(guess, up_one);
+      const __m256 distance = _mm256_sub_ps(m, _mm256_permutevar8x32_ps(octave, rung));
+      __m256 threshold = _mm256_permutevar8x32_ps(gaps, rung);
+      if constexpr (STOCHASTIC) {
+        const __m256i noise =
+            _mm256_and_si256(hash32_of_key_avx2(s, key), _mm256_set1_epi32(0xFFFF));
+        threshold = _mm256_mul_ps(_mm256_cvtepi32_ps(noise), threshold);
+      }
+      const __m256i up =
+          _mm256_castps_si256(_mm256_cmp_ps(distance, threshold, _CMP_GT_OQ));
+      __m256i code = _mm256_sub_epi32(_mm256_add_epi32(rung, code_of_rung), up);
+      if constexpr (SIGNED) {  // the sign bit, as 128
+        code = _mm256_or_si256(
+            code, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(value), 24),
+                                   _mm256_set1_epi32(128)));
+      }
+      const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                             _mm256_extracti128_si256(code, 1));
+      const __m128i bytes = _mm_packus_epi16(words, words);
+      std::memcpy(c + i, &bytes, 8);
+      continue;
+    }
+    const __m256 finite = _mm256_cmp_ps(absolute, largest, _CMP_LE_OQ);
+    const __m256 magnitude =
+        _mm256_andnot_ps(_mm256_cmp_ps(absolute, smallest, _CMP_LT_OQ), absolute);
+    __m256 ratio = _mm256_mul_ps(magnitude, inverse);
+    ratio = _mm256_andnot_ps(_mm256_cmp_ps(ratio, smallest, _CMP_NGE_UQ), ratio);  // NaN, tiny: 0
+    const __m256i bits = _mm256_castps_si256(ratio);
+    const __m256 mantissa = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x3F800000)));
+    const __m256i guess = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), 20);
+    const __m256i up_one = _mm256_castps_si256(
+        _mm256_cmp_ps(mantissa, _mm256_permutevar8x32_ps(octave_above, guess), _CMP_GE_OQ));
+    const __m256i r = _mm256_sub_epi32(guess, up_one);  // 0 .. 7
+    const __m256 power = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000)));
+    __m256 below = _mm256_mul_ps(_mm256_permutevar8x32_ps(octave, r), power);
+    __m256 above = _mm256_mul_ps(_mm256_permutevar8x32_ps(octave_above, r), power);
+    // k = top + 8 e + r, e = the exponent's bits - 127
+    const __m256i exponent = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+    __m256i low = _mm256_add_epi32(top, _mm256_add_epi32(_mm256_slli_epi32(exponent, 3), r));
+    // Below the first level (0 included): between 0 and it. At or past the
+    // top: the last pair.
+    const __m256 under = _mm256_castsi256_ps(_mm256_cmpgt_epi32(one, low));
+    const __m256 over = _mm256_castsi256_ps(_mm256_cmpgt_epi32(low, highest_low));
+    low = _mm256_min_epi32(_mm256_max_epi32(low, zero), highest_low);
+    below = _mm256_blendv_ps(_mm256_andnot_ps(under, below), last_below, over);
+    above = _mm256_blendv_ps(_mm256_blendv_ps(above, first_level, under), last_above, over);
+    __m256 threshold = _mm256_set1_ps(0.5f);
+    if constexpr (STOCHASTIC) {
+      const __m256i noise = _mm256_and_si256(hash32_of_key_avx2(s, key), _mm256_set1_epi32(0xFFFF));
+      threshold = _mm256_mul_ps(_mm256_cvtepi32_ps(noise), _mm256_set1_ps(0x1p-16f));
+    }
+    const __m256i up = _mm256_castps_si256(
+        _mm256_cmp_ps(_mm256_sub_ps(ratio, below),
+                      _mm256_mul_ps(threshold, _mm256_sub_ps(above, below)), _CMP_GT_OQ));
+    __m256i code = _mm256_sub_epi32(low, up);
+    const __m256i keep = _mm256_castps_si256(finite);
+    if constexpr (SIGNED) {
+      const __m256i negative =
+          _mm256_castps_si256(_mm256_cmp_ps(value, _mm256_setzero_ps(), _CMP_LT_OQ));
+      const __m256i nonzero = _mm256_cmpgt_epi32(code, zero);
+      code = _mm256_add_epi32(
+          code, _mm256_and_si256(_mm256_and_si256(negative, nonzero), _mm256_set1_epi32(128)));
+      code = _mm256_blendv_epi8(_mm256_set1_epi32(kSignedNonFinite), code, keep);
+    } else {
+      const __m256i positive = _mm256_cmpgt_epi32(bits, zero);
+      code = _mm256_max_epi32(
+          code, _mm256_and_si256(positive, _mm256_set1_epi32(kUnsignedInfinite + 1)));
+      code = _mm256_blendv_epi8(_mm256_set1_epi32(kUnsignedInfinite), code, keep);
+    }
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                           _mm256_extracti128_si256(code, 1));
+    const __m128i bytes = _mm_packus_epi16(words, words);
+    std::memcpy(c + i, &bytes, 8);
+  }
+  return i;
+}
+#endif
+
+#if defined(QHOPTIM_AVX512)
+// The constants of noise16_avx512 for a seed, made once per loop.
+struct Noise16 {
+  __m512i folded, first_multiplier, second_multiplier, low_half;
+  explicit Noise16(uint32_t seed)
+      : folded(kept(_mm512_set1_epi32(static_cast<int>(seed ^ (seed >> 16))))),
+        first_multiplier(kept(_mm512_set1_epi32(0x7FEB352D))),
+        second_multiplier(kept(_mm512_set1_epi32(static_cast<int>(0x846CA68Bu)))),
+        low_half(kept(_mm512_set1_epi32(0xFFFF))) {}
+};
+
+// hash32_of_key(seed, key) & 0xFFFF, the rounding's noise, for 16 keys (k:
+// Noise16(seed)). The hash's first step, x ^ (x >> 16) of x = key ^ seed, is
+// key ^ (key >> 16) ^ folded with folded = seed ^ (seed >> 16) (a shift
+// distributes over a xor): one three-way xor per vector instead of two; the
+// last step and the mask one more (vpternlogd). The encoding is bound by its
+// vector operations, so each one left out shows.
+inline __m512i noise16_avx512(const Noise16& k, __m512i key) {
+  __m512i x = _mm512_ternarylogic_epi32(key, _mm512_srli_epi32(key, 16), k.folded, 0x96);
+  x = _mm512_mullo_epi32(x, k.first_multiplier);
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, k.second_multiplier);
+  return _mm512_ternarylogic_epi32(x, _mm512_srli_epi32(x, 16), k.low_half, 0x28);
+}
+
+// The general steps of encode_values_avx512 for 16 values (`key` their noise's
+// keys), where not all of them are in FastCase's range (rare: a zero, a value
+// far below its block's scale, a non-finite one). Out of line, so that the
+// loop holds only the fast case's constants in its registers.
+template <bool SIGNED, bool STOCHASTIC>
+__attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, __m512 value,
+                                                       __m512i key, float inverse_scale,
+                                                       const Ladder& ladder, uint32_t s) {
+  const int nl = ladder.nl;
+  const __m512 octave = octave16(ladder.octave), octave_above = octave16(ladder.octave + 1);
+  const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
+  const __m512 smallest = _mm512_set1_ps(kSmallestNormal);
+  const __m512 inverse = _mm512_set1_ps(inverse_scale);
+  const __m512i top = _mm512_set1_epi32(nl - 1), highest_low = _mm512_set1_epi32(nl - 2);
+  const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+  const __m512i mantissa_bits = _mm512_set1_epi32(0x7FFFFF);
+  const __m512 first_level = _mm512_set1_ps(ladder.lv[1]);
+  const __m512 last_below = _mm512_set1_ps(ladder.lv[nl - 2]);
+  const __m512 last_above = _mm512_set1_ps(ladder.lv[nl - 1]);
+  const __m512 absolute = _mm512_abs_ps(value);
+  const __mmask16 finite = _mm512_cmp_ps_mask(absolute, largest, _CMP_LE_OQ);
+  const __m512 magnitude =
+      _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(absolute, smallest, _CMP_NLT_UQ), absolute);
+  __m512 ratio = _mm512_mul_ps(magnitude, inverse);
+  ratio = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ratio, smallest, _CMP_GE_OQ), ratio);
+  const __m512i bits = _mm512_castps_si512(ratio);
+  const __m512i fraction = _mm512_and_si512(bits, mantissa_bits);
+  const __m512 mantissa =
+      _mm512_castsi512_ps(_mm512_or_si512(fraction, _mm512_set1_epi32(0x3F800000)));
+  const __m512i guess = _mm512_srli_epi32(fraction, 20);
+  const __mmask16 up_one = _mm512_cmp_ps_mask(
+      mantissa, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
+  const __m512i r = _mm512_mask_add_epi32(guess, up_one, guess, one);
+  const __m512 power =
+      _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)));
+  __m512 below = _mm512_mul_ps(_mm512_permutexvar_ps(r, octave), power);
+  __m512 above = _mm512_mul_ps(_mm512_permutexvar_ps(r, octave_above), power);
+  const __m512i exponent =
+      _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127));
+  __m512i low = _mm512_add_epi32(top, _mm512_add_epi32(_mm512_slli_epi32(exponent, 3), r));
+  const __mmask16 under = _mm512_cmplt_epi32_mask(low, one);
+  const __mmask16 over = _mm512_cmpgt_epi32_mask(low, highest_low);
+  low = _mm512_min_epi32(_mm512_max_epi32(low, zero), highest_low);
+  below = _mm512_mask_mov_ps(_mm512_mask_mov_ps(below, under, _mm512_setzero_ps()), over,
+                             last_below);
+  above = _mm512_mask_mov_ps(_mm512_mask_mov_ps(above, under, first_level), over, last_above);
+  __m512 threshold = _mm512_set1_ps(0.5f);
+  if constexpr (STOCHASTIC) {
+    const __m512i noise = noise16_avx512(Noise16(s), key);
+    threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), _mm512_set1_ps(0x1p-16f));
+  }
+  const __mmask16 up =
+      _mm512_cmp_ps_mask(_mm512_sub_ps(ratio, below),
+                         _mm512_mul_ps(threshold, _mm512_sub_ps(above, below)), _CMP_GT_OQ);
+  __m512i code = _mm512_mask_add_epi32(low, up, low, one);
+  if constexpr (SIGNED) {
+    const __mmask16 negative =
+        _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_LT_OQ) &
+        _mm512_cmpgt_epi32_mask(code, zero);
+    code = _mm512_mask_add_epi32(code, negative, code, _mm512_set1_epi32(128));
+    code = _mm512_mask_mov_epi32(_mm512_set1_epi32(kSignedNonFinite), finite, code);
+  } else {
+    const __mmask16 positive = _mm512_cmpgt_epi32_mask(bits, zero);
+    code = _mm512_mask_max_epi32(code, positive, code, _mm512_set1_epi32(kUnsignedInfinite + 1));
+    code = _mm512_mask_mov_epi32(_mm512_set1_epi32(kUnsignedInfinite), finite, code);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8(code));
+}
+
+// encode_values_avx2, 16 values at a time.
+template <bool SIGNED, bool STOCHASTIC>
+inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict__ x,
+                                uint32_t first, int len, float inverse_scale,
+                                const Ladder& ladder, uint32_t s) {
+  // Every constant of the loop kept (see kept).
+  const __m512 octave = kept(octave16(ladder.octave));
+  const __m512 octave_above = kept(octave16(ladder.octave + 1));
+  const __m512 smallest = kept(_mm512_set1_ps(kSmallestNormal));
+  const __m512 inverse = kept(_mm512_set1_ps(inverse_scale));
+  const __m512i one = kept(_mm512_set1_epi32(1));
+  const __m512i mantissa_bits = kept(_mm512_set1_epi32(0x7FFFFF));
+  const __m512i one_bits = kept(_mm512_set1_epi32(FastCase::kOneBits));
+  __m512i key = _mm512_add_epi32(
+      _mm512_set1_epi32(static_cast<int>(first * kGolden)),
+      _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(static_cast<int>(kGolden))));
+  const __m512i key_step = kept(_mm512_set1_epi32(static_cast<int>(16u * kGolden)));
+  const Noise16 noise_constants(s);
+  const __m512i sign_code = kept(_mm512_set1_epi32(128));
+  const FastCase fast_case(ladder, SIGNED, STOCHASTIC);
+  const __m512i lowest = kept(_mm512_set1_epi32(fast_case.lowest_bits));
+  const __m512i span = kept(_mm512_set1_epi32(fast_case.span));
+  const __m512 gaps = kept(octave16(fast_case.gaps));
+  const __m512i code_of_rung = kept(_mm512_set1_epi32(fast_case.code_of_rung));
+  int i = 0;
+  for (; i + 16 <= len; i += 16, key = _mm512_add_epi32(key, key_step)) {
+    const __m512 value = _mm512_loadu_ps(x + i);
+    const __m512 absolute = _mm512_abs_ps(value);
+    // The fast case (FastCase); the general steps for the others.
+    const __m512 fast_ratio = _mm512_mul_ps(absolute, inverse);
+    const __m512i fast_bits = _mm512_castps_si512(fast_ratio);
+    const __mmask16 fast = _mm512_mask_cmple_epu32_mask(
+        _mm512_cmp_ps_mask(absolute, smallest, _CMP_GE_OQ),
+        _mm512_sub_epi32(fast_bits, lowest), span);
+    if (fast != 0xFFFF) {
+      encode16_general_avx512<SIGNED, STOCHASTIC>(c + i, value, key, inverse_scale, ladder, s);
+      continue;
+    }
+    const __m512 m = _mm512_castsi512_ps(  // (bits & mantissa) | 1.0's bits
+        _mm512_ternarylogic_epi32(fast_bits, mantissa_bits, one_bits, 0xEA));
+    const __m512i guess = _mm512_srli_epi32(fast_bits, 20);  // 8 e + 127 * 8 + the top bits
+    const __mmask16 up_one =
+        _mm512_cmp_ps_mask(m, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
+    const __m512i rung = _mm512_mask_add_epi32(guess, up_one, guess, one);
+    const __m512 distance = _mm512_sub_ps(m, _mm512_permutexvar_ps(rung, octave));
+    __m512 threshold = _mm512_permutexvar_ps(rung, gaps);
+    if constexpr (STOCHASTIC) {
+      const __m512i noise = noise16_avx512(noise_constants, key);
+      threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), threshold);
+    }
+    const __mmask16 up = _mm512_cmp_ps_mask(distance, threshold, _CMP_GT_OQ);
+    __m512i code = _mm512_add_epi32(rung, code_of_rung);
+    code = _mm512_mask_add_epi32(code, up, code, one);
+    if constexpr (SIGNED) {
+      // The sign bit: here every value is finite, normal and not zero, so it
+      // is value < 0, read on another port than a float comparison's.
+      const __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(value));
+      code = _mm512_mask_add_epi32(code, negative, code, sign_code);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(code));
+  }
+  return i;
+}
+#endif
+
+// Encode `len` values `x` of a block of `scale` (the values `first ..` of their
+// tensor, the noise's counter) into `c`.
+template <bool SIGNED, bool STOCHASTIC, bool FOLD>
+inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, int64_t first,
+                          int len, float inverse_scale, const Ladder& ladder, uint32_t s) {
+  const float* __restrict__ lv = ladder.lv;
+  const int nl = ladder.nl, per_octave = ladder.per_octave;
+  int i = 0;
+  if constexpr (!FOLD) {
+    if (ladder.geometric) {
+      [[maybe_unused]] const auto start = static_cast<uint32_t>(first);
+#if defined(QHOPTIM_AVX512)
+      i = encode_values_avx512<SIGNED, STOCHASTIC>(c, x, start, len, inverse_scale, ladder, s);
+#endif
+#if defined(__AVX2__)
+      i += encode_values_avx2<SIGNED, STOCHASTIC>(c + i, x + i, start + static_cast<uint32_t>(i),
+                                                  len - i, inverse_scale, ladder, s);
+#endif
+    }
+  }
+  for (; i < len; ++i) {
+    const float absolute = std::fabs(x[i]);
+    const bool finite = absolute <= std::numeric_limits<float>::max();
+    // Subnormal magnitudes and ratios count as 0 (qhoptim.rounding's rule:
+    // the bytes do not depend on a flush-to-zero mode, XLA's on CPU).
+    const float magnitude = absolute < kSmallestNormal ? 0.0f : absolute;
+    float ratio = magnitude * inverse_scale;
+    ratio = ratio != ratio || ratio < kSmallestNormal ? 0.0f : ratio;  // 0 * inf: all-zero block
+    // The last level <= ratio (the table decides): a first guess of
+    // per_octave * log2(ratio) from the float's exponent and the top of its
+    // mantissa (within a level of the truth), then a step along the table,
+    // in place of a binary search per value. The guess is at most one level
+    // below (log2(1 + f) >= f), or one above where a level's float32 rounding
+    // lies past the ratio: one step each way.
+    int32_t bits;
+    std::memcpy(&bits, &ratio, sizeof(bits));
+    int low = nl - 1 + per_octave * ((bits >> 23) - 127) + (((bits & 0x7FFFFF) * per_octave) >> 23);
+    low = std::min(std::max(low, 1), nl - 2);
+    low -= lv[low] > ratio ? 1 : 0;
+    low += lv[low + 1] <= ratio ? 1 : 0;
+    low = std::min(low, nl - 2);
+    const float below = lv[low], above = lv[low + 1];
+    float threshold = 0.5f;
+    if constexpr (STOCHASTIC) {
+      threshold =
+          static_cast<float>(hash32_of_key(s, position_key<FOLD>(first, i)) & 0xFFFFu) * 0x1p-16f;
+    }
+    // Up with probability (ratio - below) / (above - below): compared as a
+    // product, no division per value.
+    int code = low + (ratio - below > threshold * (above - below) ? 1 : 0);
+    if constexpr (SIGNED) {
+      const int negative = x[i] < 0.0f;
+      const int nonzero = code > 0;
+      code += 128 * (negative & nonzero);  // no -0: 128 is non-finite's
+      const int keep = -static_cast<int>(finite);
+      code = (code & keep) | (kSignedNonFinite & ~keep);
+    } else {
+      // A positive second moment is never stored as 0 (nor as the code of inf).
+      const int positive = bits > 0;  // ratio > 0, on its bits
+      code = std::max(code, (kUnsignedInfinite + 1) * positive);
+      const int keep = -static_cast<int>(finite);
+      code = (code & keep) | (kUnsignedInfinite & ~keep);
+    }
+    c[i] = static_cast<uint8_t>(code);
+  }
+}
+
+inline void decode_block(float* x, const uint8_t* c, int64_t len, float scale,
+                         const Ladder& ladder, bool is_signed) {
+  const int n = static_cast<int>(len);
+  is_signed ? decode_values<true>(x, c, n, scale, ladder)
+            : decode_values<false>(x, c, n, scale, ladder);
+}
+
+// Encode one block of `len` values `x` (the values `first ..` of their tensor)
+// into `codes` and `*scale_out`. Positions past 2**32 are folded to 32 bits
+// (torch's kernels), or with WRAP taken modulo 2**32 (optax's: XLA's uint32
+// positions wrap).
+template <bool WRAP = false>
+inline void encode_block(uint8_t* c, float* scale_out, const float* x, int64_t first, int64_t len,
+                         const Ladder& ladder, bool is_signed, uint32_t s, bool stochastic) {
+  const int n = static_cast<int>(len);
+  const float scale = block_scale(x, n);
+  *scale_out = scale;
+  const float inverse_scale = 1.0f / scale;  // once per block: ratios are products
+  auto encode = [&](auto signed_tag, auto stochastic_tag, auto fold_tag) {
+    encode_values<decltype(signed_tag)::value, decltype(stochastic_tag)::value,
+                  decltype(fold_tag)::value>(c, x, first, n, inverse_scale, ladder, s);
+  };
+  auto with_fold = [&](auto signed_tag, auto stochastic_tag) {
+    !WRAP && needs_fold(first, len) ? encode(signed_tag, stochastic_tag, std::true_type{})
+                           : encode(signed_tag, stochastic_tag, std::false_type{});
+  };
+  auto with_rounding = [&](auto signed_tag) {
+    stochastic ? with_fold(signed_tag, std::true_type{}) : with_fold(signed_tag, std::false_type{});
+  };
+  is_signed ? with_rounding(std::true_type{}) : with_rounding(std::false_type{});
+}
+
+// Whether ladder_of_levels takes `nl` levels with `per_octave` a halving: at
+// most 256 (a byte's codes), and a first guess whose products fit 32 bits.
+inline bool ladder_fits(int64_t nl, int64_t per_octave) {
+  return nl >= 2 && nl <= 256 && per_octave >= 1 && per_octave <= 255;
+}
+
+// The ladder of the `nl` levels `lv` (read, not copied: they outlive it) with
+// `per_octave` levels per halving.
+inline Ladder ladder_of_levels(const float* lv, int nl, int per_octave) {
+  Ladder ladder{lv, nl, per_octave, false, {}, {}, {}};
+  ladder.geometric = geometric_ladder(ladder.lv, ladder.nl, ladder.octave);
+  for (int r = 0; r < kOctave; ++r) {
+    const float gap = ladder.octave[r + 1] - ladder.octave[r];
+    ladder.noise_gap[r] = gap * 0x1p-16f;
+    ladder.half_gap[r] = gap * 0.5f;
+  }
+  return ladder;
+}
+
+}  // namespace qhoptim::eight_bit
