@@ -51,7 +51,7 @@ def test_the_name_follows_sources_versions_and_the_shared_headers() -> None:
     assert name == _build.library_name("x", [source], ["1"])
     assert name != _build.library_name("x", [source], ["2"])
     assert name.startswith("x_")
-    assert [p.name for p in _build.shared_headers()] == ["rounding.h", "slices.h"]
+    assert [p.name for p in _build.shared_headers()] == ["eight_bit.h", "rounding.h", "slices.h"]
 
 
 def test_a_timed_out_compilation_is_tried_again(tmp_path: Path) -> None:
