@@ -24,6 +24,10 @@
 #endif
 
 namespace qhoptim::eight_bit {
+// Internal linkage, as in the single source file each kernel is: the
+// compiler inlines these loops where they are used, as it did before they
+// were shared.
+namespace {
 
 using qhoptim::rounding::hash32_of_key;
 using qhoptim::rounding::kGolden;
@@ -705,4 +709,5 @@ inline Ladder ladder_of_levels(const float* lv, int nl, int per_octave) {
   return ladder;
 }
 
+}  // namespace
 }  // namespace qhoptim::eight_bit
