@@ -40,8 +40,9 @@ inline int64_t usable_cores() {
 // `unit_values` values (1; an 8-bit state's blocks: 256). Slices are a
 // multiple of 64 values (4 lines of float32s, 2 of bfloat16s), so that no two
 // threads write one 64-byte line of one array (where the range is several
-// arrays end to end, as in optax's call, they may at an array's edges:
-// slower, never wrong). Where a thread cannot be started (a process's thread
+// arrays end to end, as in optax's call, they may at an array's edges, and
+// an 8-bit state's scales, 16 blocks' to a line, at a slice's: slower, never
+// wrong). Where a thread cannot be started (a process's thread
 // limit), this one steps its slice too. step must not throw.
 template <class Step>
 void for_each_slice(int64_t n, const Step& step, int64_t unit_values = 1) {

@@ -337,7 +337,9 @@ def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -
     # Subnormals read as 0 (XLA flushes them; the rule does so everywhere).
     smallest = rounding.EIGHT_BIT_SMALLEST
     magnitudes = jnp.where(finite & (jnp.abs(x) >= smallest), jnp.abs(x), 0.0)
-    scales = _blocked(magnitudes).max(axis=1)
+    # The stored state has no derivative (a bfloat16 one goes through a bit
+    # cast; the C++ step takes constants): neither have the blocks' scales.
+    scales = jax.lax.stop_gradient(_blocked(magnitudes).max(axis=1))
     inverse = (1.0 / scales)[:, None]  # once per block: ratios are products
     ratio = (_blocked(magnitudes) * inverse).reshape(-1)[: x.size]
     ratio = jnp.where(jnp.isnan(ratio) | (ratio < smallest), 0.0, ratio)  # 0 * inf: all zeros
@@ -510,6 +512,12 @@ def _stepped_states(
         return []
     stored = [x for leaf in pending for x in leaf.stored]
     eight_bit = target == _extension.EIGHT_BIT_TARGET
+    if eight_bit and any(
+        x.signed != (k == 0) for leaf in pending for k, x in enumerate(leaf.stored)
+    ):
+        # The call reads the first state (QHM's buffer, QHAdam's first
+        # moment) as signed and the others as unsigned, as init makes them.
+        return [leaf.in_xla() for leaf in pending]
     stored_arrays = jax.tree.leaves(stored)  # an 8-bit state's codes, then its scales
     grads = [leaf.grad for leaf in pending]
     if any(_varies_over_manual_axes(x) for x in (*grads, *stored_arrays)):
@@ -526,9 +534,10 @@ def _stepped_states(
         attributes["stochastic"] = np.int64(stochastic)
 
     def on_cpu(*arrays: jax.Array) -> list[Any]:
-        # A stored state has no derivative (XLA's branch makes it through a
-        # bit cast), and jax.grad through an update differentiates both
-        # branches: the call, which has no derivative rule, sees constants.
+        # A stored state has no derivative (XLA's branch makes a bfloat16 one
+        # through a bit cast, an 8-bit one's scales stop it), and jax.grad
+        # through an update differentiates both branches: the call, which has
+        # no derivative rule, sees constants.
         operands = [jax.lax.stop_gradient(x) for x in (*constants, *arrays)]
         call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
         results = list(call(*operands, **attributes))

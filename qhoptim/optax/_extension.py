@@ -3,10 +3,12 @@ the CPU that store a bfloat16 or an 8-bit state, built on first use against
 jaxlib's XLA FFI headers and cached on disk.
 
 The bottom layer of ``qhoptim.optax``: it imports only JAX and the core's
-:mod:`qhoptim._build`. The transformations (``__init__.py``) ask
-:func:`state_extension` for the custom call's target name under
-``fused=True``, and :func:`state_extension_available` whether a bfloat16
-state may step in it under ``fused=None``.
+:mod:`qhoptim._build` and :mod:`qhoptim.rounding` (the 8-bit levels its smoke
+test passes). The transformations (``__init__.py``) ask
+:func:`state_extension` for the custom calls under ``fused=True``
+(:data:`TARGET` stores a bfloat16 state, :data:`EIGHT_BIT_TARGET` an 8-bit
+one), and :func:`state_extension_available` whether a narrow state may step
+in them under ``fused=None``.
 """
 
 from __future__ import annotations

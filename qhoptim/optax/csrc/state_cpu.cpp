@@ -319,8 +319,10 @@ ffi::Error StoreEightBitState(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ff
   }
   const int64_t signed_count = static_cast<int64_t>(signed_levels.element_count());
   const int64_t unsigned_count = static_cast<int64_t>(unsigned_levels.element_count());
-  if (!eight_bit::ladder_fits(signed_count, per_octave) || !eight_bit::ladder_fits(unsigned_count, per_octave)) {
-    return ffi::Error::InvalidArgument("qhoptim's 8-bit state: at most 256 levels, 1 to 255 per octave");
+  // Every code a byte can hold names a level: 128 signed (bit 7 the sign), 256 unsigned.
+  if (signed_count != 128 || unsigned_count != 256 || !eight_bit::ladder_fits(signed_count, per_octave) ||
+      !eight_bit::ladder_fits(unsigned_count, per_octave)) {
+    return ffi::Error::InvalidArgument("qhoptim's 8-bit state: 128 signed and 256 unsigned levels, 1 to 255 per octave");
   }
   try {
     const eight_bit::Ladder with_sign = eight_bit::ladder_of_levels(
