@@ -366,20 +366,29 @@ for fused in (None, True, False):
 """
 
 
-@pytest.mark.parametrize("narrow", list(NARROW))
-def test_on_several_cpu_devices_none_keeps_xla_and_the_state_s_sharding(narrow: str) -> None:
-    # A fresh process: JAX reads the device count once, when it is imported.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    script = SHARDED.replace("STATE_DTYPE", jnp.dtype(NARROW[narrow][0]).name)
+def _in_a_process_of_its_own(script: str, narrow: str, **environment: str) -> str:
+    """What ``script`` prints, run for the ``narrow`` state (its ``STATE_DTYPE``)
+    in a fresh Python with ``environment`` added: JAX reads its device count and
+    x64 setting once, when it is imported."""
+    env = dict(os.environ, **environment)
+    script = script.replace("STATE_DTYPE", jnp.dtype(NARROW[narrow][0]).name)
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
     )
-    lines = result.stdout.split("\n")
+    return result.stdout
+
+
+@pytest.mark.parametrize("narrow", list(NARROW))
+def test_on_several_cpu_devices_none_keeps_xla_and_the_state_s_sharding(narrow: str) -> None:
+    stdout = _in_a_process_of_its_own(
+        SHARDED, narrow, XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
+    lines = stdout.split("\n")
     assert lines[:3] == [
         "None False ('x',)",
         "True True ()",  # documented: gathered, and replicated
         "False False ('x',)",
-    ], result.stdout
+    ], stdout
 
 
 @pytest.mark.parametrize("narrow", list(NARROW))
@@ -478,14 +487,10 @@ for a, b in zip(jax.tree.leaves(states[False]), jax.tree.leaves(states[True])):
 def test_without_x64_the_call_steps_as_xla_does(narrow: str) -> None:
     # This directory's tests run with jax_enable_x64 (conftest.py); JAX's default
     # is without it, where the weights and counts are float32 and int32 throughout.
-    env = dict(os.environ, JAX_ENABLE_X64="0")
-    script = WITHOUT_X64.replace("STATE_DTYPE", jnp.dtype(NARROW[narrow][0]).name)
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
-    )
-    lines = result.stdout.split("\n")
-    assert lines[:2] == ["False False", "True True"], result.stdout
+    stdout = _in_a_process_of_its_own(WITHOUT_X64, narrow, JAX_ENABLE_X64="0")
+    lines = stdout.split("\n")
+    assert lines[:2] == ["False False", "True True"], stdout
     for line in lines[2:]:
         if line:
             differing, total = map(int, line.split())
-            assert differing <= max(1, total // 1000), result.stdout
+            assert differing <= max(1, total // 1000), stdout
