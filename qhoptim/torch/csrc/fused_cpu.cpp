@@ -217,12 +217,29 @@ at::Tensor readable_grad(const at::Tensor& param, const at::Tensor& grad) {
 // loads had kept fewer of them in flight), and kAhead = 2048 did better than
 // 1024 and 4096. Requests stay inside the chunk: its last spans ask for
 // nothing.
+// That was an Intel Xeon. On AMD's EPYC (Zen 4) the requests cost time
+// instead (benchmarks.kernel_ab, 2 threads, the same build with and without
+// them): without, QHM's float32 step was 4-19% faster, the bfloat16 steps
+// 10-22% and the 8-bit ones 11-24% -- its hardware prefetchers keep up with
+// the streams alone, and the requests take load slots. So the loops ask on
+// every CPU but AMD's (asks_ahead), the one where not asking was measured to
+// be faster.
 // The span loop and its requests are written out in each chunk: through a
 // lambda, the pointers' __restrict__ was lost and the gain with it, and one
 // variadic helper for the requests made the bfloat16 steps 5-13% slower
 // (benchmarks.kernel_ab).
 constexpr int64_t kSpan = 256;
 constexpr int64_t kAhead = 2048;
+
+// Whether the loops ask for memory ahead on this CPU (see above).
+inline bool asks_ahead() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool asks = !__builtin_cpu_is("amd");
+  return asks;
+#else
+  return true;
+#endif
+}
 
 // Asks for the cache lines of x[0, kSpan); WRITE: they will be written too.
 template <bool WRITE, typename T>
@@ -241,13 +258,15 @@ void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t
                int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w,
                opmath_t bv, opmath_t gv, uint32_t seed) {
   PositionKeys<FOLD> keys(first);
-  for (int64_t begin = 0; begin < n; begin += kSpan) {
-    if (begin + kAhead + kSpan <= n) {
+  const bool asks = asks_ahead();
+  const int64_t span = asks ? kSpan : n;
+  for (int64_t begin = 0; begin < n; begin += span) {
+    if (asks && begin + kAhead + kSpan <= n) {
       ask_for_span<true>(p + begin + kAhead);
       ask_for_span<false>(g + begin + kAhead);
       ask_for_span<true>(b + begin + kAhead);
     }
-    const int64_t end = std::min(n, begin + kSpan);
+    const int64_t end = std::min(n, begin + span);
     for (int64_t i = begin; i < end; ++i) {
       const opmath_t pi = static_cast<opmath_t>(p[i]);
       const opmath_t gi = step_gradient<TERMS>(static_cast<opmath_t>(g[i]), gm, wd, pi);
@@ -301,10 +320,10 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
   // A state as wide as the parameters asks for nothing: the loop's square root
   // and division leave the hardware's prefetchers time enough, and the
   // requests cost QHAdam's float32-state step 2-4% on ResNet-18 shapes.
-  constexpr bool kAsks = SR || !std::is_same_v<state_t, scalar_t>;
-  const int64_t span = kAsks ? kSpan : n;
+  const bool asks = (SR || !std::is_same_v<state_t, scalar_t>) && asks_ahead();
+  const int64_t span = asks ? kSpan : n;
   for (int64_t begin = 0; begin < n; begin += span) {
-    if (kAsks && begin + kAhead + kSpan <= n) {
+    if (asks && begin + kAhead + kSpan <= n) {
       ask_for_span<true>(p + begin + kAhead);
       ask_for_span<false>(g + begin + kAhead);
       ask_for_span<true>(m + begin + kAhead);
@@ -613,18 +632,20 @@ void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tenso
     packed[k] = packed8(*states[k], n);
   }
   const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const bool asks = asks_ahead();
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     alignas(64) float local[K][kBlock];
     const int64_t hi = std::min(n, b1 * kBlock);  // this thread's blocks' end
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
-      // The block after next asked for now: the step waits on memory for the
+      // The block after next asked for now (where asks_ahead, see kSpan's
+      // notes: not on AMD's CPUs): the step waits on memory for the
       // parameter and the gradient, the encoding before it does arithmetic
       // only, and the hardware's prefetchers do not keep up with the streams.
       // Nearer than the chunk loops' kAhead: a block's arithmetic is several
       // times theirs, and asking kAhead values on made the step 3-17% slower
       // (benchmarks.kernel_ab, 2 threads).
-      if (lo + (kBlocksAhead + 1) * kBlock <= hi) {  // inside this thread's blocks
+      if (asks && lo + (kBlocksAhead + 1) * kBlock <= hi) {  // inside this thread's blocks
         const int64_t ahead = lo + kBlocksAhead * kBlock;
         ask_for_span<true>(p + ahead);
         ask_for_span<false>(grad + ahead);
