@@ -115,10 +115,27 @@ def test_a_state_dtype_outside_the_allowed_is_refused_with_the_values() -> None:
 
 # ----------------------------------------------------------- the 8-bit statement
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_8_bit_levels_are_floats_of_three_mantissa_bits(signed: bool) -> None:
+    # Level k >= 1 is (1 + r/8) * 2**q for k - top = 8 q + r: a float32 whose
+    # bits are (k - top + 8 * 127) << 20, the property the C++ loops read
+    # levels by (eight_bit.h's Ladder). Neighbours lie 1/15 to 1/8 apart.
+    levels = rounding.eight_bit_levels(signed)
+    top = len(levels) - 1
+    assert top == (127 if signed else 255) and levels[0] == 0.0 and levels[top] == 1.0
+    bits = np.asarray(levels[1:], np.float32).view(np.uint32).astype(np.int64)
+    assert np.array_equal(bits, (np.arange(1, top + 1) - top + 8 * 127) << 20)
+    for k in range(1, top + 1):
+        q, r = divmod(k - top, rounding.EIGHT_BIT_PER_OCTAVE)
+        assert levels[k] == (1 + r / 8) * 2.0**q
+    gaps = np.diff(levels[1:]) / np.asarray(levels[1:-1])
+    assert np.isclose(gaps.min(), 1 / 15) and np.isclose(gaps.max(), 1 / 8)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_8_bit_encoding_is_unbiased_between_two_neighbouring_levels(signed: bool) -> None:
     # 255 copies of 0.3 per block of scale 1: each is stored as one of the two
     # levels around it, on average itself (6 standard errors of a step of at
-    # most 9% of the value); to nearest, every copy takes the same level.
+    # most 12.5% of the value); to nearest, every copy takes the same level.
     blocks = 256
     x = np.full((blocks, 256), 0.3, np.float32)
     x[:, 0] = 1.0
@@ -126,7 +143,7 @@ def test_8_bit_encoding_is_unbiased_between_two_neighbouring_levels(signed: bool
     assert np.array_equal(scales, np.ones(blocks, np.float32))
     rest = rounding.eight_bit_decode_reference(codes, scales, signed).reshape(blocks, 256)[:, 1:]
     assert len(np.unique(rest)) == 2
-    assert abs(float(rest.mean()) - 0.3) < 6 * 0.09 * 0.3 / 255
+    assert abs(float(rest.mean()) - 0.3) < 6 * 0.125 * 0.3 / 255
     nearest, _ = rounding.eight_bit_encode_reference(x, signed, seed=11, stochastic=False)
     assert len(np.unique(nearest.reshape(blocks, 256)[:, 1:])) == 1
 

@@ -34,9 +34,10 @@ using qhoptim::rounding::kGolden;
 using qhoptim::rounding::needs_fold;
 using qhoptim::rounding::position_key;
 
-// `levels` are qhoptim.rounding.eight_bit_levels: 0 and a geometric ladder to
-// 1, ascending; a signed state's codes keep the sign in their top bit. Each block of kBlock values has a float32 scale, its largest
-// finite magnitude.
+// `levels` are qhoptim.rounding.eight_bit_levels: 0 and a ladder to 1 of
+// eight levels per octave, (1 + r / 8) * 2**q; a signed state's codes keep
+// the sign in their top bit. Each block of kBlock values has a float32 scale,
+// its largest finite magnitude.
 constexpr int64_t kBlock = 256;
 // Magnitudes and ratios below float32's smallest normal number are read as 0
 // (qhoptim.rounding.EIGHT_BIT_SMALLEST).
@@ -51,47 +52,38 @@ constexpr int kUnsignedInfinite = 1;
 
 // The levels of an 8-bit state and how to find them: `lv` ascending, `nl` of
 // them, `per_octave` levels per halving (qhoptim.rounding.EIGHT_BIT_PER_OCTAVE).
-// `geometric`: the levels are 0 and octave[r] * 2**q, the level k's r and q
-// those of k - (nl - 1) = 8 q + r (0 <= r < 8), octave[8] = 2 (ladder_of_levels
-// checks it against the table); the vector loops then find and read levels
-// with register permutes, where reading them from the table would take a
-// gather (which compilers spell as eight scalar loads) per value.
-constexpr int kOctave = 8;
+// `linear`: the levels are qhoptim.rounding's ladder -- 0, then eight levels
+// spaced evenly in each octave, (1 + r / 8) * 2**q -- whose level k >= 1 has
+// the float32 bits (k - (nl - 1) + 8 * 127) << 20: an exponent and the
+// mantissa's top three bits, the rest 0 (linear_ladder checks it against the
+// table). The vector loops then find and read levels with shifts and masks
+// on a float's bits, where reading them from the table would take a gather
+// (which compilers spell as eight scalar loads) per value.
 struct Ladder {
   const float* lv;
   int nl;
   int per_octave;
-  bool geometric;
-  float octave[kOctave + 1];
-  // octave[r + 1] - octave[r] (exact: both lie in [1, 2]), times 2**-16 (the
-  // noise's unit) and times 1/2 (rounding to nearest): see FastCase.
-  float noise_gap[kOctave];
-  float half_gap[kOctave];
+  bool linear;
 };
 
-// Whether `lv` is a geometric ladder of kOctave levels per octave (see
-// Ladder), its octave written to `octave`; also that the vector loops' first
-// guess of a level, from the top three bits of a mantissa, is the level or
-// the one below it.
-bool geometric_ladder(const float* lv, int nl, float* octave) {
-  const int top = nl - 1;
-  if (nl < kOctave + 2 || lv[0] != 0.0f || lv[top] != 1.0f) {
+// The linear ladder's levels per octave (qhoptim.rounding.EIGHT_BIT_PER_OCTAVE).
+constexpr int kPerOctave = 8;
+// A level's bits, shifted right by kRungShift, are its rung: the exponent
+// field and the mantissa's top three bits, 8 * 127 at 1.0.
+constexpr int kRungShift = 23 - 3;
+static_assert(kPerOctave == 1 << (23 - kRungShift), "a rung per level");
+constexpr int32_t kRungOfOne = 8 * 127;
+constexpr int32_t kBelowRung = (int32_t{1} << kRungShift) - 1;  // the bits under a rung
+
+// Whether `lv` is the linear ladder of `nl` levels (see Ladder).
+inline bool linear_ladder(const float* lv, int nl) {
+  if (nl < kPerOctave + 2 || nl > 256 || lv[0] != 0.0f) {
     return false;
   }
-  for (int r = 0; r < kOctave; ++r) {
-    octave[r] = 2.0f * lv[top - kOctave + r];
-  }
-  octave[kOctave] = 2.0f;
-  for (int k = 1; k <= top; ++k) {
-    const int d = k - top;  // <= 0: q = floor(d / 8), r = d mod 8
-    if (lv[k] != std::ldexp(octave[d & (kOctave - 1)], d >> 3)) {
-      return false;
-    }
-  }
-  for (int r = 0; r < kOctave; ++r) {
-    const float start = 1.0f + static_cast<float>(r) / kOctave;  // the mantissas r * 1/8 ..
-    if (!(octave[r] < octave[r + 1]) || !(octave[r] <= start) ||
-        (r + 2 <= kOctave && !(octave[r + 2] >= start + 1.0f / kOctave))) {
+  for (int k = 1; k < nl; ++k) {
+    int32_t bits;
+    std::memcpy(&bits, &lv[k], sizeof(bits));
+    if (bits != (k - (nl - 1) + kRungOfOne) << kRungShift) {
       return false;
     }
   }
@@ -123,21 +115,15 @@ inline float block_scale(const float* __restrict__ x, int len) {
 }
 
 #if defined(__AVX2__)
-// The vector loops of a geometric ladder (Ladder), 8 values at a time: the
+// The vector loops of the linear ladder (Ladder), 8 values at a time: the
 // same numbers as the loops below them, which finish each block's last few
-// values. A level k >= 1 is octave[r] * 2**q exactly (q >= -32), so the
-// products below are those of the table's level.
-
-// 2**q for 8 integers q > -127.
-inline __m256 power_of_two(__m256i q) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(127)), 23));
-}
+// values.
 
 template <bool SIGNED>
 inline int decode_values_avx2(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
                               float scale, const Ladder& ladder) {
-  const __m256 octave = _mm256_loadu_ps(ladder.octave);
-  const __m256i top = _mm256_set1_epi32(ladder.nl - 1), zero = _mm256_setzero_si256();
+  const __m256i bias = _mm256_set1_epi32(kRungOfOne - (ladder.nl - 1));
+  const __m256i zero = _mm256_setzero_si256();
   const __m256 scale8 = _mm256_set1_ps(scale);
   int i = 0;
   for (; i + 8 <= len; i += 8) {
@@ -145,10 +131,8 @@ inline int decode_values_avx2(float* __restrict__ x, const uint8_t* __restrict__
     std::memcpy(&bytes, c + i, 8);  // the low 8 bytes; the rest is unused
     const __m256i code = _mm256_cvtepu8_epi32(bytes);
     const __m256i k = SIGNED ? _mm256_and_si256(code, _mm256_set1_epi32(127)) : code;
-    const __m256i d = _mm256_sub_epi32(k, top);
-    const __m256 level =
-        _mm256_mul_ps(_mm256_permutevar8x32_ps(octave, d),  // permutes read d's 3 low bits
-                      power_of_two(_mm256_srai_epi32(d, 3)));
+    const __m256 level =  // its bits (Ladder)
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, bias), kRungShift));
     __m256 value = _mm256_mul_ps(level, scale8);
     value = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(k, zero)), value);  // level 0
     if constexpr (SIGNED) {
@@ -171,14 +155,13 @@ inline int decode_values_avx2(float* __restrict__ x, const uint8_t* __restrict__
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define QHOPTIM_AVX512 1
 // The same loops 16 values at a time, where the CPU and the build have
-// AVX-512: masks in place of blends, the octave twice over in a 16-entry
-// register (a permute reads an index's 4 low bits), codes narrowed in one
-// instruction.
+// AVX-512: masks in place of blends, unsigned comparisons, codes narrowed in
+// one instruction.
 
 // A vector the compiler must keep (in a register, or spilled): GCC otherwise
 // makes some constants again on every pass of a loop, a broadcast from a
-// general register each -- a uop on the port the encoding's permutes
-// and comparisons already crowd (it took 9% longer without).
+// general register each -- a uop on the port the encoding's shifts and
+// comparisons already crowd (it took 9% longer without).
 inline __m512i kept(__m512i v) {
   asm("" : "+v"(v));
   return v;
@@ -188,25 +171,18 @@ inline __m512 kept(__m512 v) {
   return v;
 }
 
-inline __m512 octave16(const float* octave) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(octave)); }
-
-inline __m512 power_of_two(__m512i q) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(127)), 23));
-}
-
 template <bool SIGNED>
 inline int decode_values_avx512(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
                                 float scale, const Ladder& ladder) {
-  const __m512 octave = octave16(ladder.octave);
-  const __m512i top = _mm512_set1_epi32(ladder.nl - 1), zero = _mm512_setzero_si512();
+  const __m512i bias = _mm512_set1_epi32(kRungOfOne - (ladder.nl - 1));
+  const __m512i zero = _mm512_setzero_si512();
   const __m512 scale16 = _mm512_set1_ps(scale);
   int i = 0;
   for (; i + 16 <= len; i += 16) {
     const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
     const __m512i k = SIGNED ? _mm512_and_si512(code, _mm512_set1_epi32(127)) : code;
-    const __m512i d = _mm512_sub_epi32(k, top);
-    const __m512 level = _mm512_mul_ps(_mm512_permutexvar_ps(d, octave),
-                                       power_of_two(_mm512_srai_epi32(d, 3)));
+    const __m512 level =  // its bits (Ladder)
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, bias), kRungShift));
     __m512 value = _mm512_maskz_mov_ps(_mm512_cmpneq_epi32_mask(k, zero),  // level 0
                                        _mm512_mul_ps(level, scale16));
     if constexpr (SIGNED) {
@@ -232,7 +208,7 @@ inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, 
                           float scale, const Ladder& ladder) {
   const float* __restrict__ lv = ladder.lv;
   int i = 0;
-  if (ladder.geometric) {
+  if (ladder.linear) {
 #if defined(QHOPTIM_AVX512)
     i = decode_values_avx512<SIGNED>(x, c, len, scale, ladder);
 #endif
@@ -258,32 +234,30 @@ inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, 
 // The vector loops' fast case: a vector whose ratios are all normal numbers
 // in [lv[1], 1] (lv[2] for an unsigned state, whose code 1 is infinity's),
 // whose magnitudes are normal too (as the rule reads them), so that the level
-// below each is not 0. A ratio 2**e * m (1 <= m < 2) lies between
-// octave[r] * 2**e and octave[r + 1] * 2**e; its distance to the lower one,
-// (m - octave[r]) * 2**e, and the levels' gap, (octave[r + 1] - octave[r]) *
-// 2**e, are exact in float32 (each a difference of two numbers in one
-// binade), so the rule's comparison
+// below each is not 0. A ratio's bits b give its level and the rule's
+// comparison at once (Ladder): the level below is b with its low kRungShift
+// bits cleared, (b >> 20) - kRungOfOne rungs from 1 (the code (b >> 20) +
+// code_of_rung), and the level above lies one unit of bit 20 further up (the
+// next mantissa, or from r = 7 the next power of two): 2**(e - 3) above it,
+// e the ratio's exponent. Both sides of the rule's comparison
 //   ratio - below > threshold * (above - below)
-// is m - octave[r] > threshold * gap[r], both sides scaled by 2**e; and the
-// threshold's product with gap[r] is the noise's with gap[r] * 2**-16
-// (exact), or gap[r] / 2 to nearest. 8 e + r, the level's distance in levels
-// from 2**0, is the ratio's bits >> 20 (its exponent and the mantissa's top
-// three bits, geometric_ladder's first guess) or one more, less 8 * 127 (the
-// exponent field's bias). A ratio of 1 is the top level itself, at distance
-// 0, which no threshold exceeds: the top's code, as the rule gives it. A
-// vector with any other case -- 0, the bottom rung, NaN and infinity,
-// subnormals -- takes the general steps.
+// are exact in float32 (the distance a difference in one binade, the gap a
+// power of two), and scaled by 2**(23 - e) they read
+//   (b & kBelowRung) > threshold * 2**20,
+// i.e. the bits under the rung exceed 16 times the 16-bit noise (2**19 to
+// nearest). A ratio of 1 is the top level itself, nothing under its rung:
+// the top's code, as the rule gives it. A vector with any other case -- 0,
+// the bottom rung, NaN and infinity, subnormals -- takes the general steps.
 struct FastCase {
   static constexpr int32_t kOneBits = 0x3F800000;  // 1.0f
+  static constexpr int32_t kHalfRung = int32_t{1} << (kRungShift - 1);  // to nearest
   int32_t lowest_bits;  // the fast ratios' bit patterns: lowest_bits .. + span
   int32_t span;
-  const float* gaps;  // the threshold's unit times each rung's gap
-  int32_t code_of_rung;  // code = (8 e + r + 8 * 127) + code_of_rung
-  FastCase(const Ladder& ladder, bool is_signed, bool stochastic) {
+  int32_t code_of_rung;  // code = (b >> kRungShift) + code_of_rung
+  FastCase(const Ladder& ladder, bool is_signed) {
     std::memcpy(&lowest_bits, &ladder.lv[is_signed ? 1 : 2], sizeof(lowest_bits));
     span = kOneBits - lowest_bits;
-    gaps = stochastic ? ladder.noise_gap : ladder.half_gap;
-    code_of_rung = ladder.nl - 1 - 8 * 127;
+    code_of_rung = ladder.nl - 1 - kRungOfOne;
   }
 };
 
@@ -298,40 +272,37 @@ inline __m256i hash32_of_key_avx2(uint32_t seed, __m256i key) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-// encode_values' loop for a geometric ladder, 8 values at a time (positions
-// below 2**32): the level below a ratio 2**e * m (1 <= m < 2) is 8 e + r
-// levels from the top, r the last with octave[r] <= m -- the mantissa's top
-// three bits or one more (geometric_ladder checks that). The same codes as
+// encode_values' loop for the linear ladder, 8 values at a time (positions
+// below 2**32): the fast case (FastCase) on a ratio's bits, the general steps
+// with the levels around a ratio read off its bits too. The same codes as
 // the loop of encode_values, step for step.
 template <bool SIGNED, bool STOCHASTIC>
 inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__ x,
                               uint32_t first, int len, float inverse_scale, const Ladder& ladder,
                               uint32_t s) {
   const int nl = ladder.nl;
-  const __m256 octave = _mm256_loadu_ps(ladder.octave);
-  const __m256 octave_above = _mm256_loadu_ps(ladder.octave + 1);
   const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
   const __m256 smallest = _mm256_set1_ps(kSmallestNormal);
   const __m256 inverse = _mm256_set1_ps(inverse_scale);
-  const __m256i top = _mm256_set1_epi32(nl - 1), highest_low = _mm256_set1_epi32(nl - 2);
+  const __m256i highest_low = _mm256_set1_epi32(nl - 2);
   const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
   const __m256 first_level = _mm256_set1_ps(ladder.lv[1]);
   const __m256 last_below = _mm256_set1_ps(ladder.lv[nl - 2]);
   const __m256 last_above = _mm256_set1_ps(ladder.lv[nl - 1]);
+  const __m256i below_rung = _mm256_set1_epi32(kBelowRung);
+  const __m256i one_rung = _mm256_set1_epi32(int32_t{1} << kRungShift);
   // The lanes' hash keys (position_key), advanced by 8 positions' worth a vector.
   __m256i key = _mm256_add_epi32(
       _mm256_set1_epi32(static_cast<int>(first * kGolden)),
       _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                          _mm256_set1_epi32(static_cast<int>(kGolden))));
   const __m256i key_step = _mm256_set1_epi32(static_cast<int>(8u * kGolden));
-  const FastCase fast_case(ladder, SIGNED, STOCHASTIC);
+  const FastCase fast_case(ladder, SIGNED);
   const __m256i lowest = _mm256_set1_epi32(fast_case.lowest_bits);
   const __m256i span = _mm256_set1_epi32(fast_case.span);
-  const __m256i one_bits = _mm256_set1_epi32(FastCase::kOneBits);
-  const __m256i mantissa_bits = _mm256_set1_epi32(0x7FFFFF);
-  const __m256 gaps = _mm256_loadu_ps(fast_case.gaps);
   const __m256i code_of_rung = _mm256_set1_epi32(fast_case.code_of_rung);
+  const __m256i half_rung = _mm256_set1_epi32(FastCase::kHalfRung);
   int i = 0;
   for (; i + 8 <= len; i += 8, key = _mm256_add_epi32(key, key_step)) {
     const __m256 value = _mm256_loadu_ps(x + i);
@@ -345,23 +316,17 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
     const __m256 fast = _mm256_and_ps(
         _mm256_cmp_ps(absolute, smallest, _CMP_GE_OQ),
         _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_max_epu32(offset, span), span)));
+    // The bar the bits under a rung must pass to go up: 16 times the noise
+    // (both below 2**20, so that a signed comparison does), or half a rung.
+    __m256i bar = half_rung;
+    if constexpr (STOCHASTIC) {
+      bar = _mm256_slli_epi32(
+          _mm256_and_si256(hash32_of_key_avx2(s, key), _mm256_set1_epi32(0xFFFF)), 4);
+    }
     if (_mm256_movemask_ps(fast) == 0xFF) {
-      const __m256 m = _mm256_castsi256_ps(
-          _mm256_or_si256(_mm256_and_si256(fast_bits, mantissa_bits), one_bits));
-      const __m256i guess = _mm256_srli_epi32(fast_bits, 20);
-      const __m256i up_one = _mm256_castps_si256(
-          _mm256_cmp_ps(m, _mm256_permutevar8x32_ps(octave_above, guess), _CMP_GE_OQ));
-      const __m256i rung = _mm256_sub_epi32(guess, up_one);
-      const __m256 distance = _mm256_sub_ps(m, _mm256_permutevar8x32_ps(octave, rung));
-      __m256 threshold = _mm256_permutevar8x32_ps(gaps, rung);
-      if constexpr (STOCHASTIC) {
-        const __m256i noise =
-            _mm256_and_si256(hash32_of_key_avx2(s, key), _mm256_set1_epi32(0xFFFF));
-        threshold = _mm256_mul_ps(_mm256_cvtepi32_ps(noise), threshold);
-      }
-      const __m256i up =
-          _mm256_castps_si256(_mm256_cmp_ps(distance, threshold, _CMP_GT_OQ));
-      __m256i code = _mm256_sub_epi32(_mm256_add_epi32(rung, code_of_rung), up);
+      const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(fast_bits, below_rung), bar);
+      __m256i code = _mm256_add_epi32(_mm256_srli_epi32(fast_bits, kRungShift), code_of_rung);
+      code = _mm256_sub_epi32(code, up);
       if constexpr (SIGNED) {  // the sign bit, as 128
         code = _mm256_or_si256(
             code, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(value), 24),
@@ -379,18 +344,11 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
     __m256 ratio = _mm256_mul_ps(magnitude, inverse);
     ratio = _mm256_andnot_ps(_mm256_cmp_ps(ratio, smallest, _CMP_NGE_UQ), ratio);  // NaN, tiny: 0
     const __m256i bits = _mm256_castps_si256(ratio);
-    const __m256 mantissa = _mm256_castsi256_ps(_mm256_or_si256(
-        _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x3F800000)));
-    const __m256i guess = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF)), 20);
-    const __m256i up_one = _mm256_castps_si256(
-        _mm256_cmp_ps(mantissa, _mm256_permutevar8x32_ps(octave_above, guess), _CMP_GE_OQ));
-    const __m256i r = _mm256_sub_epi32(guess, up_one);  // 0 .. 7
-    const __m256 power = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000)));
-    __m256 below = _mm256_mul_ps(_mm256_permutevar8x32_ps(octave, r), power);
-    __m256 above = _mm256_mul_ps(_mm256_permutevar8x32_ps(octave_above, r), power);
-    // k = top + 8 e + r, e = the exponent's bits - 127
-    const __m256i exponent = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
-    __m256i low = _mm256_add_epi32(top, _mm256_add_epi32(_mm256_slli_epi32(exponent, 3), r));
+    // The levels around a normal ratio (FastCase); k = its rung + code_of_rung.
+    const __m256i rung_bits = _mm256_andnot_si256(below_rung, bits);
+    __m256 below = _mm256_castsi256_ps(rung_bits);
+    __m256 above = _mm256_castsi256_ps(_mm256_add_epi32(rung_bits, one_rung));
+    __m256i low = _mm256_add_epi32(_mm256_srli_epi32(bits, kRungShift), code_of_rung);
     // Below the first level (0 included): between 0 and it. At or past the
     // top: the last pair.
     const __m256 under = _mm256_castsi256_ps(_mm256_cmpgt_epi32(one, low));
@@ -400,8 +358,8 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
     above = _mm256_blendv_ps(_mm256_blendv_ps(above, first_level, under), last_above, over);
     __m256 threshold = _mm256_set1_ps(0.5f);
     if constexpr (STOCHASTIC) {
-      const __m256i noise = _mm256_and_si256(hash32_of_key_avx2(s, key), _mm256_set1_epi32(0xFFFF));
-      threshold = _mm256_mul_ps(_mm256_cvtepi32_ps(noise), _mm256_set1_ps(0x1p-16f));
+      threshold = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bar, 4)),
+                                _mm256_set1_ps(0x1p-16f));
     }
     const __m256i up = _mm256_castps_si256(
         _mm256_cmp_ps(_mm256_sub_ps(ratio, below),
@@ -433,26 +391,39 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
 #if defined(QHOPTIM_AVX512)
 // The constants of noise16_avx512 for a seed, made once per loop.
 struct Noise16 {
-  __m512i folded, first_multiplier, second_multiplier, low_half;
+  __m512i folded, first_multiplier, second_multiplier, low_half, high_half;
   explicit Noise16(uint32_t seed)
       : folded(kept(_mm512_set1_epi32(static_cast<int>(seed ^ (seed >> 16))))),
         first_multiplier(kept(_mm512_set1_epi32(0x7FEB352D))),
         second_multiplier(kept(_mm512_set1_epi32(static_cast<int>(0x846CA68Bu)))),
-        low_half(kept(_mm512_set1_epi32(0xFFFF))) {}
+        low_half(kept(_mm512_set1_epi32(0xFFFF))),
+        high_half(kept(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))) {}
 };
 
-// hash32_of_key(seed, key) & 0xFFFF, the rounding's noise, for 16 keys (k:
-// Noise16(seed)). The hash's first step, x ^ (x >> 16) of x = key ^ seed, is
+// hash32_of_key(seed, key) but for its last step, x ^ (x >> 16), for 16 keys
+// (k: Noise16(seed)). Its first step, x ^ (x >> 16) of x = key ^ seed, is
 // key ^ (key >> 16) ^ folded with folded = seed ^ (seed >> 16) (a shift
-// distributes over a xor): one three-way xor per vector instead of two; the
-// last step and the mask one more (vpternlogd). The encoding is bound by its
-// vector operations, so each one left out shows.
-inline __m512i noise16_avx512(const Noise16& k, __m512i key) {
+// distributes over a xor): one three-way xor per vector instead of two. The
+// encoding is bound by its vector operations, so each one left out shows.
+inline __m512i hash_but_last_avx512(const Noise16& k, __m512i key) {
   __m512i x = _mm512_ternarylogic_epi32(key, _mm512_srli_epi32(key, 16), k.folded, 0x96);
   x = _mm512_mullo_epi32(x, k.first_multiplier);
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, k.second_multiplier);
+  return _mm512_mullo_epi32(x, k.second_multiplier);
+}
+
+// The rounding's noise, hash32_of_key(seed, key) & 0xFFFF, of 16 keys: the
+// last step and the mask in one operation (vpternlogd).
+inline __m512i noise16_avx512(const Noise16& k, __m512i key) {
+  const __m512i x = hash_but_last_avx512(k, key);
   return _mm512_ternarylogic_epi32(x, _mm512_srli_epi32(x, 16), k.low_half, 0x28);
+}
+
+// The noise times 2**16, as the fast case compares it: (x ^ (x >> 16)) << 16
+// is (x << 16) ^ (x & 0xFFFF0000), again one three-way operation.
+inline __m512i noise_high_avx512(const Noise16& k, __m512i key) {
+  const __m512i x = hash_but_last_avx512(k, key);
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 16), x, k.high_half, 0x78);
 }
 
 // The general steps of encode_values_avx512 for 16 values (`key` their noise's
@@ -464,13 +435,11 @@ __attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, 
                                                        __m512i key, float inverse_scale,
                                                        const Ladder& ladder, uint32_t s) {
   const int nl = ladder.nl;
-  const __m512 octave = octave16(ladder.octave), octave_above = octave16(ladder.octave + 1);
   const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
   const __m512 smallest = _mm512_set1_ps(kSmallestNormal);
   const __m512 inverse = _mm512_set1_ps(inverse_scale);
-  const __m512i top = _mm512_set1_epi32(nl - 1), highest_low = _mm512_set1_epi32(nl - 2);
+  const __m512i highest_low = _mm512_set1_epi32(nl - 2);
   const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
-  const __m512i mantissa_bits = _mm512_set1_epi32(0x7FFFFF);
   const __m512 first_level = _mm512_set1_ps(ladder.lv[1]);
   const __m512 last_below = _mm512_set1_ps(ladder.lv[nl - 2]);
   const __m512 last_above = _mm512_set1_ps(ladder.lv[nl - 1]);
@@ -481,20 +450,13 @@ __attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, 
   __m512 ratio = _mm512_mul_ps(magnitude, inverse);
   ratio = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ratio, smallest, _CMP_GE_OQ), ratio);
   const __m512i bits = _mm512_castps_si512(ratio);
-  const __m512i fraction = _mm512_and_si512(bits, mantissa_bits);
-  const __m512 mantissa =
-      _mm512_castsi512_ps(_mm512_or_si512(fraction, _mm512_set1_epi32(0x3F800000)));
-  const __m512i guess = _mm512_srli_epi32(fraction, 20);
-  const __mmask16 up_one = _mm512_cmp_ps_mask(
-      mantissa, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
-  const __m512i r = _mm512_mask_add_epi32(guess, up_one, guess, one);
-  const __m512 power =
-      _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)));
-  __m512 below = _mm512_mul_ps(_mm512_permutexvar_ps(r, octave), power);
-  __m512 above = _mm512_mul_ps(_mm512_permutexvar_ps(r, octave_above), power);
-  const __m512i exponent =
-      _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(127));
-  __m512i low = _mm512_add_epi32(top, _mm512_add_epi32(_mm512_slli_epi32(exponent, 3), r));
+  // The levels around a normal ratio (FastCase).
+  const __m512i rung_bits = _mm512_andnot_si512(_mm512_set1_epi32(kBelowRung), bits);
+  __m512 below = _mm512_castsi512_ps(rung_bits);
+  __m512 above = _mm512_castsi512_ps(
+      _mm512_add_epi32(rung_bits, _mm512_set1_epi32(int32_t{1} << kRungShift)));
+  __m512i low = _mm512_add_epi32(_mm512_srli_epi32(bits, kRungShift),
+                                 _mm512_set1_epi32(nl - 1 - kRungOfOne));
   const __mmask16 under = _mm512_cmplt_epi32_mask(low, one);
   const __mmask16 over = _mm512_cmpgt_epi32_mask(low, highest_low);
   low = _mm512_min_epi32(_mm512_max_epi32(low, zero), highest_low);
@@ -524,19 +486,17 @@ __attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8(code));
 }
 
-// encode_values_avx2, 16 values at a time.
+// encode_values_avx2, 16 values at a time. The fast case's comparison is an
+// unsigned one of the bits under a rung, shifted to the top (b << 12), with
+// the noise times 2**16, or 2**31 to nearest: the same as FastCase's.
 template <bool SIGNED, bool STOCHASTIC>
 inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict__ x,
                                 uint32_t first, int len, float inverse_scale,
                                 const Ladder& ladder, uint32_t s) {
   // Every constant of the loop kept (see kept).
-  const __m512 octave = kept(octave16(ladder.octave));
-  const __m512 octave_above = kept(octave16(ladder.octave + 1));
   const __m512 smallest = kept(_mm512_set1_ps(kSmallestNormal));
   const __m512 inverse = kept(_mm512_set1_ps(inverse_scale));
   const __m512i one = kept(_mm512_set1_epi32(1));
-  const __m512i mantissa_bits = kept(_mm512_set1_epi32(0x7FFFFF));
-  const __m512i one_bits = kept(_mm512_set1_epi32(FastCase::kOneBits));
   __m512i key = _mm512_add_epi32(
       _mm512_set1_epi32(static_cast<int>(first * kGolden)),
       _mm512_mullo_epi32(
@@ -545,11 +505,12 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
   const __m512i key_step = kept(_mm512_set1_epi32(static_cast<int>(16u * kGolden)));
   const Noise16 noise_constants(s);
   const __m512i sign_code = kept(_mm512_set1_epi32(128));
-  const FastCase fast_case(ladder, SIGNED, STOCHASTIC);
+  const FastCase fast_case(ladder, SIGNED);
   const __m512i lowest = kept(_mm512_set1_epi32(fast_case.lowest_bits));
   const __m512i span = kept(_mm512_set1_epi32(fast_case.span));
-  const __m512 gaps = kept(octave16(fast_case.gaps));
   const __m512i code_of_rung = kept(_mm512_set1_epi32(fast_case.code_of_rung));
+  // Half a rung (FastCase::kHalfRung) shifted to the top as the bits are.
+  const __m512i half_rung = kept(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
   int i = 0;
   for (; i + 16 <= len; i += 16, key = _mm512_add_epi32(key, key_step)) {
     const __m512 value = _mm512_loadu_ps(x + i);
@@ -564,20 +525,10 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
       encode16_general_avx512<SIGNED, STOCHASTIC>(c + i, value, key, inverse_scale, ladder, s);
       continue;
     }
-    const __m512 m = _mm512_castsi512_ps(  // (bits & mantissa) | 1.0's bits
-        _mm512_ternarylogic_epi32(fast_bits, mantissa_bits, one_bits, 0xEA));
-    const __m512i guess = _mm512_srli_epi32(fast_bits, 20);  // 8 e + 127 * 8 + the top bits
-    const __mmask16 up_one =
-        _mm512_cmp_ps_mask(m, _mm512_permutexvar_ps(guess, octave_above), _CMP_GE_OQ);
-    const __m512i rung = _mm512_mask_add_epi32(guess, up_one, guess, one);
-    const __m512 distance = _mm512_sub_ps(m, _mm512_permutexvar_ps(rung, octave));
-    __m512 threshold = _mm512_permutexvar_ps(rung, gaps);
-    if constexpr (STOCHASTIC) {
-      const __m512i noise = noise16_avx512(noise_constants, key);
-      threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), threshold);
-    }
-    const __mmask16 up = _mm512_cmp_ps_mask(distance, threshold, _CMP_GT_OQ);
-    __m512i code = _mm512_add_epi32(rung, code_of_rung);
+    const __m512i bar = STOCHASTIC ? noise_high_avx512(noise_constants, key) : half_rung;
+    const __mmask16 up =
+        _mm512_cmpgt_epu32_mask(_mm512_slli_epi32(fast_bits, 32 - kRungShift), bar);
+    __m512i code = _mm512_add_epi32(_mm512_srli_epi32(fast_bits, kRungShift), code_of_rung);
     code = _mm512_mask_add_epi32(code, up, code, one);
     if constexpr (SIGNED) {
       // The sign bit: here every value is finite, normal and not zero, so it
@@ -600,7 +551,7 @@ inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, 
   const int nl = ladder.nl, per_octave = ladder.per_octave;
   int i = 0;
   if constexpr (!FOLD) {
-    if (ladder.geometric) {
+    if (ladder.linear) {
       [[maybe_unused]] const auto start = static_cast<uint32_t>(first);
 #if defined(QHOPTIM_AVX512)
       i = encode_values_avx512<SIGNED, STOCHASTIC>(c, x, start, len, inverse_scale, ladder, s);
@@ -699,14 +650,7 @@ inline bool ladder_fits(int64_t nl, int64_t per_octave) {
 // The ladder of the `nl` levels `lv` (read, not copied: they outlive it) with
 // `per_octave` levels per halving.
 inline Ladder ladder_of_levels(const float* lv, int nl, int per_octave) {
-  Ladder ladder{lv, nl, per_octave, false, {}, {}, {}};
-  ladder.geometric = geometric_ladder(ladder.lv, ladder.nl, ladder.octave);
-  for (int r = 0; r < kOctave; ++r) {
-    const float gap = ladder.octave[r + 1] - ladder.octave[r];
-    ladder.noise_gap[r] = gap * 0x1p-16f;
-    ladder.half_gap[r] = gap * 0.5f;
-  }
-  return ladder;
+  return Ladder{lv, nl, per_octave, linear_ladder(lv, nl)};
 }
 
 }  // namespace

@@ -258,7 +258,7 @@ def _deviation(case: Any, state_dtype: torch.dtype) -> float:
     return float((np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)).max())
 
 
-# Measured: bfloat16 2.6e-3 at most, 8-bit 1.9e-2 (nu = 0 reads no buffer: 0).
+# Measured: bfloat16 2.6e-3 at most, 8-bit 1.1e-2 (nu = 0 reads no buffer: 0).
 @pytest.mark.parametrize("case", narrow_state_cases(("qhmuon",)), ids=lambda c: c.name)
 def test_narrow_state_follows_float32_state_on_the_conformance_matrices(case: Any) -> None:
     assert _deviation(case, BF16) <= narrow_state_tolerance(case)
@@ -291,9 +291,10 @@ def test_a_float32_checkpoint_loads_into_8_bit_state_and_reads_back() -> None:
         buffer = wide.state[p]["momentum_buffer"]
         decoded = narrow.decoded_state(q)["momentum_buffer"]
         assert decoded.dtype == torch.float32 and decoded.shape == p.shape
-        # nearest of 256 levels per block, each step at most 9% of a value
+        # the nearest of 256 levels per block, neighbours at most 12.5% apart:
+        # within 6.25% of a value, and so of the block's scale
         scale = buffer.abs().max()
-        assert float((decoded - buffer).abs().max()) <= 0.09 * float(scale)
+        assert float((decoded - buffer).abs().max()) <= 0.0625 * float(scale)
     _run(narrow, copies, grads)  # and it steps on
 
 

@@ -391,7 +391,7 @@ def test_an_8_bit_state_resumes_bit_for_bit(cls: type, kwargs: dict[str, Any]) -
 def test_8_bit_rounding_is_unbiased_and_keeps_a_positive_second_moment() -> None:
     # 2**16 copies of a block whose largest value is 1: each value is stored as
     # one of its two neighbouring levels, on average itself (to 6 standard
-    # errors of a step of at most 9% of the value); a tiny positive value of an
+    # errors of a step of at most 12.5% of the value); a tiny positive value of an
     # unsigned state is stored as the lowest level, never 0.
     n = 256 * 256
     value = torch.full((n,), 0.3)
@@ -404,7 +404,7 @@ def test_8_bit_rounding_is_unbiased_and_keeps_a_positive_second_moment() -> None
         _state_dtype.dequantize_(out, _state_dtype._Packed(packed, n, 0, n), signed)
         rest = out.view(256, 256)[:, 1:]
         assert len(torch.unique(rest)) == 2
-        assert abs(float(rest.mean()) - 0.3) < 6 * 0.09 * 0.3 / 255
+        assert abs(float(rest.mean()) - 0.3) < 6 * 0.125 * 0.3 / 255
     tiny = torch.tensor([1.0] + [1e-30] * 255)
     packed = torch.zeros(_state_dtype.packed_numel(256), dtype=U8)
     _state_dtype.quantize_(_state_dtype._Packed(packed, 256, 0, 256), tiny, False, 3, True, 0)
@@ -574,7 +574,7 @@ def test_every_vector_width_of_the_kernel_takes_the_same_steps(
     capability: str, tmp_path: Path
 ) -> None:
     # The kernel is compiled for the vector width torch finds: AVX-512 and AVX2
-    # builds find levels with register permutes (16 and 8 values at a time),
+    # builds find levels from a float's bits (16 and 8 values at a time),
     # others in the table, one value at a time. This CPU runs its own build
     # above; each narrower one here, in a fresh process (a build on first use),
     # holds to the same bytes at every level and takes the same steps.

@@ -587,7 +587,7 @@ void dequantize8_(at::Tensor values, at::Tensor codes, at::Tensor scales, at::Te
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
   float* x = values.data_ptr<float>();
-  const Ladder ladder = ladder_of(levels, kOctave);  // decoding reads no per-octave count
+  const Ladder ladder = ladder_of(levels, kPerOctave);  // decoding reads no per-octave count
   const int64_t n = values.numel();
   at::parallel_for(0, scales.numel(), 64, [=](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
