@@ -163,5 +163,6 @@ def eight_bit_tolerance(case: Case) -> float:
     about ``1 / (1 - beta)`` steps: measured worst in torch 9.2% (QHM at nu =
     1.3) and 7.1% (QHAdam, beta1 = 0.9999999), and 13% (QHAdamW, betas near
     one) with the ladder of equal ratios before; QHMuon's matrices 1.1% (its
-    orthogonalization keeps a direction, not a size). A margin of about 2."""
+    orthogonalization keeps a direction, not a size). About twice the worst
+    either ladder gave."""
     return 0.1 if case.optimizer == "qhmuon" else 0.25
