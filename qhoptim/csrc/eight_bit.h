@@ -96,22 +96,33 @@ inline bool linear_ladder(const float* lv, int nl) {
 // table's load on one side of a branch and keep the loop scalar. Blocks hold
 // at most kBlock values.
 
-// A block's scale: its largest finite magnitude, found on the magnitudes' bit
-// patterns (ordered as the magnitudes are), where a float maximum that skips
-// NaNs would not vectorize. A NaN or an infinity counts as 0: it takes its own
-// code and leaves the others' scale alone.
-inline float block_scale(const float* __restrict__ x, int len) {
-  int32_t largest = 0;
-  for (int i = 0; i < len; ++i) {
-    int32_t bits;
-    std::memcpy(&bits, &x[i], sizeof(bits));
-    bits &= 0x7FFFFFFF;
-    // Finite and normal: a subnormal magnitude counts as 0 (the 8-bit rule's flush).
-    largest = std::max(largest, bits < 0x7F800000 && bits >= 0x00800000 ? bits : 0);
-  }
+// A value as a block's scale counts it: its magnitude's bits where that is
+// finite and normal, else 0 (a NaN or an infinity takes its own code and
+// leaves the others' scale alone; a subnormal magnitude reads as 0, the 8-bit
+// rule's flush). The bits are ordered as the magnitudes are, so a block's
+// scale is an integer maximum, where a float maximum that skips NaNs would
+// not vectorize; a step's loop can take it as it writes the block.
+inline int32_t scale_bits(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits &= 0x7FFFFFFF;
+  return bits < 0x7F800000 && bits >= 0x00800000 ? bits : 0;
+}
+
+// The scale whose scale_bits are `largest`.
+inline float scale_of_bits(int32_t largest) {
   float scale;
   std::memcpy(&scale, &largest, sizeof(scale));
   return scale;
+}
+
+// A block's scale: its largest finite magnitude.
+inline float block_scale(const float* __restrict__ x, int len) {
+  int32_t largest = 0;
+  for (int i = 0; i < len; ++i) {
+    largest = std::max(largest, scale_bits(x[i]));
+  }
+  return scale_of_bits(largest);
 }
 
 #if defined(__AVX2__)
@@ -617,15 +628,15 @@ inline void decode_block(float* x, const uint8_t* c, int64_t len, float scale,
 }
 
 // Encode one block of `len` values `x` (the values `first ..` of their tensor)
-// into `codes` and `*scale_out`. Positions past 2**32 are folded to 32 bits
+// into `codes`, at the block's `scale` (block_scale's: where a step found it
+// as it wrote the values). Positions past 2**32 are folded to 32 bits
 // (torch's kernels), or with WRAP taken modulo 2**32 (optax's: XLA's uint32
 // positions wrap).
 template <bool WRAP = false>
-inline void encode_block(uint8_t* c, float* scale_out, const float* x, int64_t first, int64_t len,
-                         const Ladder& ladder, bool is_signed, uint32_t s, bool stochastic) {
+inline void encode_block_at_scale(uint8_t* c, const float* x, int64_t first, int64_t len,
+                                  float scale, const Ladder& ladder, bool is_signed, uint32_t s,
+                                  bool stochastic) {
   const int n = static_cast<int>(len);
-  const float scale = block_scale(x, n);
-  *scale_out = scale;
   const float inverse_scale = 1.0f / scale;  // once per block: ratios are products
   auto encode = [&](auto signed_tag, auto stochastic_tag, auto fold_tag) {
     encode_values<decltype(signed_tag)::value, decltype(stochastic_tag)::value,
@@ -639,6 +650,15 @@ inline void encode_block(uint8_t* c, float* scale_out, const float* x, int64_t f
     stochastic ? with_fold(signed_tag, std::true_type{}) : with_fold(signed_tag, std::false_type{});
   };
   is_signed ? with_rounding(std::true_type{}) : with_rounding(std::false_type{});
+}
+
+// The same, the block's scale found first and written to `*scale_out`.
+template <bool WRAP = false>
+inline void encode_block(uint8_t* c, float* scale_out, const float* x, int64_t first, int64_t len,
+                         const Ladder& ladder, bool is_signed, uint32_t s, bool stochastic) {
+  const float scale = block_scale(x, static_cast<int>(len));
+  *scale_out = scale;
+  encode_block_at_scale<WRAP>(c, x, first, len, scale, ladder, is_signed, s, stochastic);
 }
 
 // Whether ladder_of_levels takes `nl` levels with `per_octave` a halving: at

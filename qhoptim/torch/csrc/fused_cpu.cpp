@@ -252,11 +252,14 @@ inline void ask_for_span(const T* x) {
 // One chunk of a QHM step. The pointers do not alias and the coefficients are
 // values, so the compiler vectorizes the loop without run-time checks. `first`
 // is the chunk's position in the tensor (the rounding noise's counter).
+// SCALES: the chunk is an 8-bit block's, and `largest[0]` receives the
+// scale_bits maximum of the buffer it writes (eight_bit_blocks).
 template <typename scalar_t, typename state_t, bool SR, typename opmath_t, bool FOLD, bool LOW,
-          int TERMS>
+          int TERMS, bool SCALES = false>
 void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t* __restrict__ b,
                int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w,
-               opmath_t bv, opmath_t gv, uint32_t seed) {
+               opmath_t bv, opmath_t gv, uint32_t seed, int32_t* largest = nullptr) {
+  [[maybe_unused]] int32_t largest_b = 0;
   PositionKeys<FOLD> keys(first);
   const bool asks = asks_ahead();
   const int64_t span = asks ? kSpan : n;
@@ -273,7 +276,13 @@ void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t
       const opmath_t bi = lerp<LOW>(static_cast<opmath_t>(b[i]), gi, w);
       b[i] = store<state_t, SR>(bi, seed, keys.next());
       p[i] = static_cast<scalar_t>(decayed<TERMS>(pi, df) + bv * bi + gv * gi);
+      if constexpr (SCALES) {
+        largest_b = std::max(largest_b, qhoptim::eight_bit::scale_bits(bi));
+      }
     }
+  }
+  if constexpr (SCALES) {
+    largest[0] = largest_b;
   }
 }
 
@@ -305,14 +314,16 @@ void qhm_tensor(at::Tensor& param, const at::Tensor& grad, at::Tensor& buf, doub
 // gradient alone, 2 both (qhoptim.rules.Denominator EXP_AVG_SQ, GRAD, MIX).
 // AMSGRAD: v keeps the running maximum of the (uncorrected) second moment,
 // which the denominator reads in its place (qhoptim.rules.qhadam_amsgrad_update,
-// with the same folded coefficients); without it v is unused.
+// with the same folded coefficients); without it v is unused. SCALES: as
+// qhm_chunk's, `largest` receiving m's, s's and v's.
 template <typename scalar_t, typename state_t, bool SR, typename opmath_t, int FORM, bool AMSGRAD,
-          bool FOLD, bool LOW, int TERMS>
+          bool FOLD, bool LOW, int TERMS, bool SCALES = false>
 void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
                   state_t* __restrict__ m, state_t* __restrict__ s, state_t* __restrict__ v,
                   int64_t first, int64_t n, opmath_t gm, opmath_t wd, opmath_t df, opmath_t w1,
                   opmath_t b2, opmath_t w2, opmath_t sw, opmath_t gw, opmath_t eps, opmath_t mv,
-                  opmath_t gv, const uint32_t* seeds) {
+                  opmath_t gv, const uint32_t* seeds, int32_t* largest = nullptr) {
+  [[maybe_unused]] int32_t largest_m = 0, largest_s = 0, largest_v = 0;
   // The seeds as values: loads through a pointer beside the state's stores
   // would keep the loop from vectorizing.
   const uint32_t seed_m = seeds[0], seed_s = seeds[1], seed_v = seeds[2];
@@ -356,6 +367,20 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
       m[i] = store<state_t, SR>(mi, seed_m, at);
       s[i] = store<state_t, SR>(si, seed_s, at);
       p[i] = static_cast<scalar_t>(decayed<TERMS>(pi, df) + (mv * mi + gv * gi) / (base + eps));
+      if constexpr (SCALES) {
+        largest_m = std::max(largest_m, qhoptim::eight_bit::scale_bits(mi));
+        largest_s = std::max(largest_s, qhoptim::eight_bit::scale_bits(si));
+        if constexpr (AMSGRAD) {
+          largest_v = std::max(largest_v, qhoptim::eight_bit::scale_bits(di));
+        }
+      }
+    }
+  }
+  if constexpr (SCALES) {
+    largest[0] = largest_m;
+    largest[1] = largest_s;
+    if constexpr (AMSGRAD) {
+      largest[2] = largest_v;
     }
   }
 }
@@ -616,9 +641,11 @@ Packed8 packed8(at::Tensor& packed, int64_t n) {
 }
 
 // One step of float32 parameters whose states are 8-bit, block by block: each
-// block's states decoded (decode_block), stepped by `step(lo, len, locals)`
-// -- the float32 kernel's chunk over the block, on the decoded values -- and
-// encoded back (encode_block) with the state's seed. The same numbers as
+// block's states decoded (decode_block), stepped by `step(lo, len, locals,
+// largest)` -- the float32 kernel's chunk over the block, on the decoded
+// values, which also finds each new state's scale_bits maximum, the block's
+// scale, as it writes it -- and encoded back (encode_block_at_scale) with the
+// state's seed. The same numbers as
 // decoding the whole tensor, stepping it and encoding it (the working-copy
 // path), in one pass over memory.
 template <int K, typename Step>
@@ -658,11 +685,14 @@ void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tenso
         decode_block(local[k], packed[k].codes + lo, len, packed[k].scales[b], ladder,
                      is_signed[k]);
       }
-      step(lo, len, local);
+      int32_t largest[K];
+      step(lo, len, local, largest);
       for (int k = 0; k < K; ++k) {
         const Ladder& ladder = is_signed[k] ? signed_ladder : unsigned_ladder;
-        encode_block(packed[k].codes + lo, packed[k].scales + b, local[k], lo, len, ladder,
-                     is_signed[k], seeds[k], true);
+        const float scale = scale_of_bits(largest[k]);
+        packed[k].scales[b] = scale;
+        encode_block_at_scale(packed[k].codes + lo, local[k], lo, len, scale, ladder, is_signed[k],
+                              seeds[k], true);
       }
     }
   });
@@ -717,10 +747,10 @@ void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
     with_terms<true>(terms, low, [&](auto terms_tag, auto low_tag) {
       eight_bit_blocks<1>(
           params[i], g, {&momentum_buffers[i]}, {true}, {seed[3 * i]}, ladder, ladder,
-          [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
+          [&](int64_t lo, int64_t len, float (*local)[kBlock], int32_t* largest) {
             qhm_chunk<float, float, false, float, false, decltype(low_tag)::value,
-                      decltype(terms_tag)::value>(p + lo, g + lo, local[0], lo, len, gm, wd, df,
-                                                  w, bv, gv, 0);
+                      decltype(terms_tag)::value, true>(p + lo, g + lo, local[0], lo, len, gm, wd,
+                                                        df, w, bv, gv, 0, largest);
           });
     });
   });
@@ -764,19 +794,20 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
           eight_bit_blocks<3>(
               params[i], g, {&exp_avgs[i], &exp_avg_sqs[i], &max_exp_avg_sqs[i]},
               {true, false, false}, {seed[3 * i], seed[3 * i + 1], seed[3 * i + 2]},
-              signed_ladder, unsigned_ladder, [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
-                qhadam_chunk<float, float, false, float, kForm, true, false, kLow, kTerms>(
+              signed_ladder, unsigned_ladder,
+              [&](int64_t lo, int64_t len, float (*local)[kBlock], int32_t* largest) {
+                qhadam_chunk<float, float, false, float, kForm, true, false, kLow, kTerms, true>(
                     p + lo, g + lo, local[0], local[1], local[2], lo, len, gm, wd, df, w1, b2,
-                    w2, sw, gw, eps, mv, gv, no_seeds);
+                    w2, sw, gw, eps, mv, gv, no_seeds, largest);
               });
         } else {
           eight_bit_blocks<2>(
               params[i], g, {&exp_avgs[i], &exp_avg_sqs[i]}, {true, false},
               {seed[3 * i], seed[3 * i + 1]}, signed_ladder, unsigned_ladder,
-              [&](int64_t lo, int64_t len, float (*local)[kBlock]) {
-                qhadam_chunk<float, float, false, float, kForm, false, false, kLow, kTerms>(
+              [&](int64_t lo, int64_t len, float (*local)[kBlock], int32_t* largest) {
+                qhadam_chunk<float, float, false, float, kForm, false, false, kLow, kTerms, true>(
                     p + lo, g + lo, local[0], local[1], nullptr, lo, len, gm, wd, df, w1, b2, w2,
-                    sw, gw, eps, mv, gv, no_seeds);
+                    sw, gw, eps, mv, gv, no_seeds, largest);
               });
         }
       });
