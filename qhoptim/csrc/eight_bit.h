@@ -521,7 +521,8 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
   const __m512i span = kept(_mm512_set1_epi32(fast_case.span));
   const __m512i code_of_rung = kept(_mm512_set1_epi32(fast_case.code_of_rung));
   // Half a rung (FastCase::kHalfRung) shifted to the top as the bits are.
-  const __m512i half_rung = kept(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i half_rung = kept(_mm512_set1_epi32(static_cast<int>(
+      static_cast<uint32_t>(FastCase::kHalfRung) << (32 - kRungShift))));
   int i = 0;
   for (; i + 16 <= len; i += 16, key = _mm512_add_epi32(key, key_step)) {
     const __m512 value = _mm512_loadu_ps(x + i);

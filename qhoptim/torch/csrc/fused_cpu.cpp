@@ -645,9 +645,8 @@ Packed8 packed8(at::Tensor& packed, int64_t n) {
 // largest)` -- the float32 kernel's chunk over the block, on the decoded
 // values, which also finds each new state's scale_bits maximum, the block's
 // scale, as it writes it -- and encoded back (encode_block_at_scale) with the
-// state's seed. The same numbers as
-// decoding the whole tensor, stepping it and encoding it (the working-copy
-// path), in one pass over memory.
+// state's seed. The same numbers as decoding the whole tensor, stepping it and
+// encoding it (the working-copy path), in one pass over memory.
 template <int K, typename Step>
 void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tensor*, K> states,
                       std::array<bool, K> is_signed, std::array<uint32_t, K> seeds,
