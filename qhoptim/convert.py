@@ -192,6 +192,23 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= _RTOL * max(1.0, abs(a), abs(b))
 
 
+def _has_eigenvalue_one(h: float, k: float, m: float, q: float) -> bool:
+    """Whether ``[[h, k], [m, q]]`` has an eigenvalue within 1e-9 of 1.
+
+    With eigenvalues ``1 + e`` and ``b``, ``det(M - I) = e (b - 1)`` and
+    ``trace(M) - 2 = e + b - 1``: ``e`` is ``det(M - I) / (trace(M) - 2)`` to
+    first order. An eigenvalue ``1 - 1e-9`` moves a mode by a factor ``e`` in
+    a billion steps, which no training run tells from 1. A tolerance on the
+    determinant alone would not do: its two terms can both be far below any
+    fixed tolerance (``h = q = 1 - 3e-5``, ``k = m = 0``: eigenvalues 1 - 3e-5,
+    whose QHM drifts 3% from the optimizer), or differ by all they are where
+    the eigenvalue is 1 but for a rounding (``q`` rounded to 1.0, ``k m`` of
+    1e-187).
+    """
+    det = (1 - h) * (1 - q) - k * m
+    return abs(det) <= _RTOL * abs(2 - h - q)
+
+
 def _qhm(lr: float, nu: float, momentum: float) -> QHMParams:
     # Safety net: every returned triple is valid for QHM.
     validation.check_qhm(lr=lr, momentum=momentum, nu=nu)
@@ -384,7 +401,9 @@ def from_pid(k_p: float, k_i: float, k_d: float, *, beta: float | None = None) -
     # Scaled by a power of two (exact): k_d - k_p cannot overflow or underflow.
     scale = -math.frexp(max(abs(k_p), abs(k_d)))[1]
     d, p = math.ldexp(k_d, scale), math.ldexp(k_p, scale)
-    if (k_p < 0.0) != (k_d < 0.0) and d / (d - p) >= 1.0:  # in (0, 1) before rounding
+    # Of strictly opposite signs the momentum is in (0, 1) before rounding;
+    # with k_p = 0 it is 1 exactly, which the range check below reports.
+    if k_p != 0.0 and (k_p < 0.0) != (k_d < 0.0) and d / (d - p) >= 1.0:
         raise _rounds_to_one(k_p=k_p, k_i=k_i, k_d=k_d)
     momentum = _momentum_in_range(
         d / (d - p), "k_d / (k_d - k_p) (k_p and k_d of opposite signs)", k_p=k_p, k_d=k_d
@@ -628,10 +647,11 @@ def _two_state(
     h, k, l, m, q, z = (_real(v, n) for v, n in zip((h, k, l, m, q, z), "hklmqz", strict=True))
     # theta's response to the state is governed by M = [[h, k], [m, q]]; QHM's
     # has eigenvalues {1, beta}: det(M - I) = 0 and beta = trace(M) - 1.
-    if not _close((1 - h) * (1 - q), k * m):
+    if not _has_eigenvalue_one(h, k, m, q):
         raise ValueError(
             "h, k, m, q must satisfy (1 - h) * (1 - q) = k * m (the transition matrix "
-            f"[[h, k], [m, q]] must have eigenvalue 1); received {_received(h=h, k=k, m=m, q=q)}"
+            "[[h, k], [m, q]] must have an eigenvalue within 1e-9 of 1); "
+            f"received {_received(h=h, k=k, m=m, q=q)}"
         )
     beta = _momentum_in_range(h + q - 1, "h + q - 1", h=h, q=q)
     # theta_t's weight on grad_{t-n} is -alpha + alpha*nu*beta**n = A + B*beta**n.
@@ -697,8 +717,9 @@ def from_two_state_optimizer(
     :math:`\nu` and :math:`g_0` only under those conditions (see the errata in
     ``docs/conversions.md``; e.g. AccSGD is a TSO outside them).
 
-    Preconditions: finite coefficients; :math:`(1-h)(1-q) = km` (to relative
-    tolerance 1e-9); ``0 <= h + q - 1 < 1``; ``alpha >= 0``; if ``alpha`` or
+    Preconditions: finite coefficients; :math:`(1-h)(1-q) = km`, to within an
+    eigenvalue 1e-9 from 1 (:math:`|(1-h)(1-q) - km| \le 10^{-9} |2 - h - q|`);
+    ``0 <= h + q - 1 < 1``; ``alpha >= 0``; if ``alpha`` or
     ``beta`` is 0, ``(1 - q) z = m l``.
     """
     alpha, nu, beta, _ = _two_state(h, k, l, m, q, z)

@@ -146,7 +146,8 @@ def rounding_seed(step: Any, index: Any, bits: Bits = PYTHON) -> Any:
     they are Python ints, in a backend they may be its uint32 scalars (a
     traced step count under ``jit``).
     """
-    return rounding_seed_of_mixed_step(mix32(step, bits), index, bits)
+    # Reduced first: the mixer's shift would carry a Python int's bits above 32 in.
+    return rounding_seed_of_mixed_step(mix32(bits.wrap(step), bits), index, bits)
 
 
 def rounding_seed_of_mixed_step(mixed_step: Any, index: Any, bits: Bits = PYTHON) -> Any:
@@ -258,14 +259,18 @@ def stochastic(state_dtype: str | None, stochastic_rounding: bool | None) -> boo
     return state_dtype in ("bfloat16", EIGHT_BIT) and stochastic_rounding is not False
 
 
-def check_state_dtype(name: str | None, received: object, *, allowed: tuple[str, ...]) -> None:
+def check_state_dtype(
+    name: str | None, received: object, *, allowed: tuple[str, ...], spelled: str = ""
+) -> None:
     """Refuse a ``state_dtype`` that is not one of ``allowed`` (names of
     :data:`STATE_DTYPES`); ``name`` is the backend's canonical name of the
-    received value (None where it names no dtype), ``received`` the value as given."""
+    received value (None where it names no dtype), ``received`` the value as
+    given. ``spelled``: how the backend writes a dtype before its name
+    (``"torch."``, where the name alone, a string, is not a dtype)."""
     if received is None or name in allowed:
         return
     raise ValueError(
-        f"state_dtype must be None or one of {', '.join(allowed)}; "
+        f"state_dtype must be None or one of {', '.join(spelled + a for a in allowed)}; "
         f"received state_dtype={received!r}"
     )
 

@@ -104,6 +104,16 @@ def _scalar_of(value: object) -> object:
     return _DEFERRED
 
 
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``, with a real beyond float64's range (a Python int of
+    400 digits) as the infinity of its sign, which every range check refuses
+    as it refuses ``inf``, rather than Python's OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        return -math.inf if value < 0 else math.inf
+
+
 def _concrete(value: object, name: str | None) -> float | None:
     """``value`` as a float if a concrete real, ``None`` if deferred; otherwise a TypeError."""
     if isinstance(value, bool):
@@ -111,7 +121,7 @@ def _concrete(value: object, name: str | None) -> float | None:
             raise TypeError(f"expected a real number, received the bool {value!r}")
         raise _not_a_number(name, value)
     if isinstance(value, numbers.Real):
-        return float(value)
+        return _as_float(value)
     if callable(value) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
         # A schedule, or no array at all (a string, None, a list, a complex number).
         if callable(value) or name is None:
@@ -125,7 +135,7 @@ def _concrete(value: object, name: str | None) -> float | None:
             raise TypeError(f"expected a real number, received the bool {value!r}")
         raise _not_a_number(name, value)
     if isinstance(scalar, numbers.Real):
-        return float(scalar)
+        return _as_float(scalar)
     # A complex or non-numeric array.
     if name is None:
         return None

@@ -350,7 +350,7 @@ def test_two_state_outside_app_d_corrects_110(case: recovery.RecoveryCase) -> No
         ("from_robust_momentum", (100.0, 100.0, 0.5), "rho must be in"),
         ("from_accsgd", (1e-3, 100.0, 11.0, 0.7), "xi must be in"),
         ("from_accsgd", (1e-3, 100.0, 5.0, 1.5), "eps must be in"),
-        ("from_two_state_optimizer", (0.5, 0.1, 0.1, 0.1, 0.5, -0.1), "eigenvalue 1"),
+        ("from_two_state_optimizer", (0.5, 0.1, 0.1, 0.1, 0.5, -0.1), "eigenvalue within 1e-9"),
         ("from_nadam", (1e-3, 1.0, 0.999), "beta1 must be in"),
         ("from_nadam", (1e-3, 0.9, -0.1), "beta2 must be in"),
         ("from_nadam", (-1e-3, 0.9, 0.999), "lr must be in"),

@@ -95,6 +95,11 @@ def test_pid_closed_form_and_special_cases() -> None:
     assert convert.from_pid(-0.03, 0.005, 0.27, beta=0.9) == approx(QHMParams(0.005, 2 / 3, 0.9))
     # k_p = k_d = 0 is plain SGD with step k_i (any D filter).
     assert convert.from_pid(0.0, 0.2, 0.0, beta=0.5) == QHMParams(0.2, 0.0, 0.0)
+    # k_p = 0, k_d != 0 (an ID controller): the momentum is 1 exactly, out of
+    # range whatever k_d's sign, not a rounding.
+    for k_d in (-1.0, 1.0):
+        with pytest.raises(ValueError, match=r"must be in \[0, 1\); received k_p=0.0, k_d="):
+            convert.from_pid(0.0, 1.0, k_d)
     # App. C.3: momentum iff k_p / k_i = k_d / k_p; NAG iff k_p / k_i = beta k_d / k_p.
     a, b = 0.01, 0.8
     for nu in (1.0, b):
@@ -199,6 +204,22 @@ def test_two_state_qhm_itself_and_scaled_buffer() -> None:
     sgd = {"h": 0.5, "k": 0.3, "l": 0.7, "m": 0.0, "q": 1.0, "z": -0.01}
     assert convert.from_two_state_optimizer(**sgd) == approx(QHMParams(0.01, 0.0, 0.5))
     assert convert.two_state_initial_buffer(**sgd) == (0.0, 0.0)
+
+
+def test_two_state_eigenvalue_one_is_judged_by_the_eigenvalue() -> None:
+    # h = q = 1 - 3e-5, k = m = 0: both eigenvalues are 1 - 3e-5, though the
+    # determinant's two terms (9e-10 and 0) differ by less than 1e-9; a QHM
+    # made of it drifts 3% from the optimizer in 1e5 steps.
+    with pytest.raises(ValueError, match=r"an eigenvalue within 1e-9 of 1\); received h=0.99997"):
+        convert.from_two_state_optimizer(1 - 3e-5, 0.0, 0.1, 0.0, 1 - 3e-5, -1e-3)
+    # QHM in the coordinates a = g + d theta, d = 1e-186: q = 1 + 0.5 d rounds
+    # to 1.0, so (1 - h)(1 - q) = 0 against k m = -2.5e-187; the eigenvalue is
+    # 1 but for that rounding, and QHM is recovered.
+    a, nu, b, d = 1.0, 1.0, 0.5, 1e-186
+    m, q, z = -a * nu * b, 1 + a * nu * b * d, -a * (1 - nu * b)
+    assert q == 1.0 and (1 - (b + d * m)) * (1 - q) != d * (q - b) * m
+    tso = {"h": b + d * m, "k": d * (q - b), "l": 1 - b + d * z, "m": m, "q": q, "z": z}
+    assert convert.from_two_state_optimizer(**tso) == approx(QHMParams(a, nu, b))
 
 
 def test_adam_family() -> None:

@@ -39,6 +39,15 @@ def test_python_ints_and_uint32_arrays_give_the_same_numbers() -> None:
     assert [int(v) for v in as_array] == [rounding.noise16(i, seed) for i in positions]
 
 
+def test_rounding_seed_takes_the_step_modulo_2_32() -> None:
+    # As its docstring and the backends' masked step counts: step 2**32 + s is step s.
+    for step in (1, 5, 123456):
+        for index in (0, 13):
+            seed = rounding.rounding_seed(step, index)
+            assert rounding.rounding_seed(2**32 + step, index) == seed
+            assert rounding.rounding_seed(step, 2**32 + index) == seed
+
+
 def test_mix32_is_a_bijection_on_a_sample() -> None:
     # lowbias32 is invertible: distinct inputs never collide.
     x = np.arange(1 << 20, dtype=np.uint32) * np.uint32(2654435761)

@@ -41,6 +41,19 @@ BAD = [
     (lambda x: v.check_nu(x, "nu"), -math.inf, "nu must be a finite real number; received nu=-inf"),
     (lambda x: v.check_beta(x, "beta1"), math.nan, "beta1 must be in [0, 1); received beta1=nan"),
     (lambda x: v.check_beta(x, "b1"), np.float32(1.5), "b1 must be in [0, 1); received b1=1.5"),
+    # Python ints beyond float64: out of range as inf is, not an OverflowError.
+    pytest.param(
+        lambda x: v.check_lr(x),
+        10**400,
+        f"lr must be in [0, inf); received lr={10**400}",
+        id="lr-int-beyond-float64",
+    ),
+    pytest.param(
+        lambda x: v.check_nu(x, "nu"),
+        -(10**400),
+        f"nu must be a finite real number; received nu={-(10**400)}",
+        id="nu-int-beyond-float64",
+    ),
 ]
 
 

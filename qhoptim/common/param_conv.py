@@ -62,8 +62,10 @@ differed:
    provide.
 3. **Inputs are concrete real numbers; results are Python floats.** 1.1.0's
    arithmetic passed other types through (a NumPy scalar in gave a NumPy scalar
-   out). Here ``int``, ``float`` and NumPy scalars are accepted and every field
-   is a ``float``; booleans, tensors and arrays raise :class:`TypeError`.
+   out). Here ``int``, ``float``, NumPy scalars and arrays or tensors of one
+   element (read as the number they hold, as every backend reads a
+   hyperparameter) are accepted and every field is a ``float``; booleans and
+   arrays of any other size raise :class:`TypeError`.
 
 This module imports only :mod:`qhoptim.convert` and :mod:`qhoptim.validation`
 (no ML framework).

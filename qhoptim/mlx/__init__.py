@@ -232,7 +232,7 @@ class _NarrowState(optim.Optimizer):
     def _set_state_dtype(self, state_dtype: Any, stochastic_rounding: Any) -> None:
         name = _dtype_name(state_dtype)
         allowed = tuple(_dtype_name(d) or "" for d in STATE_DTYPES)
-        rounding.check_state_dtype(name, state_dtype, allowed=allowed)
+        rounding.check_state_dtype(name, state_dtype, allowed=allowed, spelled="mx.")
         rounding.check_stochastic_rounding(stochastic_rounding)
         self.state_dtype, self.stochastic_rounding = state_dtype, stochastic_rounding
         self._stochastic = rounding.stochastic(name, stochastic_rounding)
@@ -787,7 +787,7 @@ class QHMuon(_NarrowState):
             names={"lr": "learning_rate"},
         )
         if ns_dtype is not None and ns_dtype not in _NS_DTYPES:
-            names = ", ".join(_dtype_name(d) or "" for d in _NS_DTYPES)
+            names = ", ".join(f"mx.{_dtype_name(d)}" for d in _NS_DTYPES)  # a name is no dtype
             raise ValueError(
                 f"ns_dtype must be None or one of {names}; received ns_dtype={ns_dtype!r}"
             )

@@ -47,7 +47,7 @@ _NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 def _check_ns_dtype(ns_dtype: Any) -> None:
     if ns_dtype not in _NS_DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _NS_DTYPES)
+        names = ", ".join(str(d) for d in _NS_DTYPES)  # torch.bfloat16: a name is no dtype
         raise ValueError(f"ns_dtype must be one of {names}; received ns_dtype={ns_dtype!r}")
 
 

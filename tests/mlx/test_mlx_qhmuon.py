@@ -99,7 +99,7 @@ def test_state_resumes_bit_for_bit() -> None:
         ({"nu": float("nan")}, ValueError, "nu must be a finite real number; received nu=nan"),
         ({"learning_rate": -1.0}, ValueError, r"learning_rate must be in \[0, inf\)"),
         ({"ns_steps": -1}, ValueError, r"ns_steps must be in \[0, 100\); received ns_steps=-1"),
-        ({"ns_dtype": mx.int32}, ValueError, "ns_dtype must be None or one of bfloat16"),
+        ({"ns_dtype": mx.int32}, ValueError, "ns_dtype must be None or one of mx.bfloat16"),
     ],
 )
 def test_bad_hyperparameters_are_named(
@@ -143,7 +143,7 @@ def test_stochastic_rounding_is_the_narrow_buffers_default() -> None:
 
 
 def test_bad_state_settings_are_named() -> None:
-    with pytest.raises(ValueError, match="state_dtype must be None or one of bfloat16"):
+    with pytest.raises(ValueError, match=r"state_dtype must be None or one of mx\.bfloat16"):
         QHMuon(0.02, state_dtype=mx.int8)
     with pytest.raises(TypeError, match="stochastic_rounding must be None or a bool"):
         QHMuon(0.02, state_dtype=mx.bfloat16, stochastic_rounding=1)

@@ -156,8 +156,12 @@ def test_float16_state_is_refused_for_qhadams_second_moment(cls: type) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"state_dtype": mx.int8}, ValueError, r"state_dtype must be None or one of bfloat16"),
-        ({"state_dtype": "bfloat16"}, ValueError, r"received state_dtype='bfloat16'"),
+        ({"state_dtype": mx.int8}, ValueError, r"state_dtype must be None or one of mx.bfloat16"),
+        (
+            {"state_dtype": "bfloat16"},
+            ValueError,
+            r"one of mx\.bfloat16, .*; received state_dtype='bfloat16'",
+        ),
         ({"stochastic_rounding": 1}, TypeError, r"stochastic_rounding must be None or a bool"),
     ],
 )

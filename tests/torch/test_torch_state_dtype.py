@@ -180,7 +180,12 @@ def test_stochastic_rounding_keeps_what_bfloat16_holds() -> None:
     ("kwargs", "error", "match"),
     [
         ({"state_dtype": torch.int8}, ValueError, r"state_dtype must be None or one of"),
-        ({"state_dtype": "bfloat16"}, ValueError, r"received state_dtype='bfloat16'"),
+        # A name is not a torch dtype: the allowed ones are written as torch's.
+        (
+            {"state_dtype": "bfloat16"},
+            ValueError,
+            r"one of torch\.bfloat16, .*torch\.uint8; received state_dtype='bfloat16'",
+        ),
         ({"stochastic_rounding": 1}, TypeError, r"stochastic_rounding must be None or a bool"),
         ({"state_dtype": BF16, "capturable": True}, ValueError, r"not supported with capturable"),
         (
