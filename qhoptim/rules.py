@@ -590,6 +590,8 @@ class MatrixOps(NamedTuple):
     ``matmul_add(c, a, b, beta, alpha)`` is ``beta * c + alpha * (a @ b)``
     (torch's ``addmm``: one rounding in a narrow dtype), ``norm`` the Frobenius
     norm and ``clamp_min(x, low)`` the larger of ``x`` and ``low``.
+    ``repeat(n, f, x)``, where given, is ``f`` applied ``n`` times to ``x``
+    for a count that may be traced (JAX's ``fori_loop``); else a Python loop.
     """
 
     matmul: Callable[[Array, Array], Array]
@@ -597,6 +599,7 @@ class MatrixOps(NamedTuple):
     transpose: Callable[[Array], Array]
     norm: Callable[[Array], Any]
     clamp_min: Callable[[Any, float], Any]
+    repeat: Callable[[Any, Callable[[Array], Array], Array], Array] | None = None
 
 
 def newton_schulz(
@@ -639,10 +642,17 @@ def newton_schulz(
         x = x / (norm + eps)
     else:
         validation.check_choice(norm_guard, "norm_guard", MUON_NORM_GUARDS)
-    for _ in range(steps):
+
+    def iteration(x: Array) -> Array:
         gram = ops.matmul(x, ops.transpose(x))
         polynomial = ops.matmul_add(gram, gram, gram, b, c)
-        x = ops.matmul_add(x, polynomial, x, a, 1)
+        return ops.matmul_add(x, polynomial, x, a, 1)
+
+    if ops.repeat is None:
+        for _ in range(steps):
+            x = iteration(x)
+    else:
+        x = ops.repeat(steps, iteration, x)
     return ops.transpose(x) if tall else x
 
 

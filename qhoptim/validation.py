@@ -371,10 +371,19 @@ def check_qhadam(
 
 
 def _check_ns_steps(value: object, name: str) -> None:
-    """Newton-Schulz steps: an integer in ``[0, 100)`` (torch's bound: more is never useful)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """Newton-Schulz steps: an integer in ``[0, 100)`` (torch's bound: more is never useful).
+
+    A one-element integer array counts as its integer, and a traced one
+    (``optax.inject_hyperparams`` makes every number an array) is passed.
+    """
+    count: object = value
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, bool):
+        count = _scalar_of(value)
+        if count is _DEFERRED and _is_jax_tracer(value):
+            return
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral):
         raise TypeError(f"{name} must be an integer; received {name}={value!r}")
-    check_interval(int(value), name, 0, 100)
+    check_interval(int(count), name, 0, 100)
 
 
 def _check_ns_coefficients(value: object, name: str) -> None:

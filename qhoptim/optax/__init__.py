@@ -27,6 +27,7 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -149,9 +150,12 @@ _abs_sq = functools.partial(rules.abs_square, conj=jnp.conj, real=jnp.real)
 
 def _cast(x: Any, dtype: Any) -> Any:
     # Python scalars stay weakly typed (no rounding of hyperparameters to a
-    # low-precision dtype before 1 - beta is formed); arrays -- counts, traced
-    # hyperparameters under inject_hyperparams -- follow the leaf's dtype.
-    return x.astype(dtype) if isinstance(x, jax.Array) else x
+    # low-precision dtype before 1 - beta is formed). Arrays -- traced
+    # hyperparameters under inject_hyperparams -- follow the leaf's dtype, but
+    # never below float32: in bfloat16, b2 = 0.999 is 1.0 and 1 - b2 is 0 (the
+    # second moment would stay 0); the arithmetic then runs in float32 and the
+    # results are cast back to the leaf's and the state's dtypes.
+    return x.astype(jnp.promote_types(dtype, jnp.float32)) if isinstance(x, jax.Array) else x
 
 
 def _real_dtype(dtype: Any) -> Any:
@@ -1165,12 +1169,24 @@ def _matmul_add(c: jax.Array, a: jax.Array, b: jax.Array, beta: Any, alpha: Any)
 
 # Newton-Schulz as ``optax.contrib.muon`` runs it (its default "frobenius"
 # preconditioning: the norm plus eps).
+def _repeat(count: Any, f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """``f`` applied ``count`` times: unrolled for a Python int, else a
+    ``fori_loop`` (``ns_steps`` under ``optax.inject_hyperparams`` is an array)."""
+    if isinstance(count, int):
+        for _ in range(count):
+            x = f(x)
+        return x
+    looped: jax.Array = jax.lax.fori_loop(0, count, lambda _, y: f(y), x)
+    return looped
+
+
 _JAX_MATRIX_OPS = rules.MatrixOps(
     matmul=jnp.matmul,
     matmul_add=_matmul_add,
     transpose=lambda x: x.T,
     norm=jnp.linalg.norm,
     clamp_min=jnp.maximum,
+    repeat=_repeat,
 )
 
 
@@ -1260,7 +1276,7 @@ def scale_by_qhmuon(
         buffers = _leaves_like(treedef, state.momentum_buffer, "momentum_buffer")
         count = optax.safe_increment(state.count)
         grad_correction = _bias_correction(beta, count)
-        buffer_correction = rules.qhmuon_buffer_correction(nu, grad_correction)
+        buffer_correction = rules.qhmuon_buffer_correction(nu, grad_correction, minimum=jnp.minimum)
         new_updates: list[Any] = []
         new_buffers: list[Any] = []
         for position, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
@@ -1363,11 +1379,18 @@ def qhmuon(
     learning_rate = _check_learning_rate(learning_rate)
     validation.check_weight_decay(weight_decay)
     validation.check_bool(adam_nesterov, "adam_nesterov")
+    # AdamW's settings for the other arrays: optax.adamw takes them unchecked.
+    validation.check_beta(adam_b1, "adam_b1")
+    validation.check_beta(adam_b2, "adam_b2")
+    validation.check_eps(adam_eps_root, "adam_eps_root")
+    validation.check_weight_decay(adam_weight_decay, "adam_weight_decay")
+    if adam_learning_rate is None:
+        adam_learning_rate = learning_rate
+    elif not callable(adam_learning_rate):
+        validation.check_lr(adam_learning_rate, "adam_learning_rate")
     if consistent_rms is not None:
-        validation.check_finite(
-            validation.require_real(consistent_rms, "consistent_rms"), "consistent_rms"
-        )
-    adam_learning_rate = learning_rate if adam_learning_rate is None else adam_learning_rate
+        # A scale of the update's RMS: a negative one would turn the step around.
+        validation.check_interval(consistent_rms, "consistent_rms", 0.0, math.inf)
 
     def labels(params: optax.Params) -> Any:
         return jax.tree.map(lambda x: "qhmuon" if x.ndim == 2 else "adam", params)

@@ -258,6 +258,42 @@ def test_inject_hyperparams_gives_same_updates_and_state(factory, kwargs) -> Non
     )
 
 
+@pytest.mark.parametrize(
+    ("factory", "kwargs", "dtype"),
+    [
+        (qho.qhadam, {"learning_rate": 0.01, "b1": 0.9, "b2": 0.999}, jnp.bfloat16),
+        (qho.qhm, {"learning_rate": 0.1, "momentum": 0.999, "nu": 0.7}, jnp.bfloat16),
+        (
+            qho.qhm,
+            {"learning_rate": 0.1, "momentum": 0.999, "nu": 0.7, "accumulator_dtype": jnp.bfloat16},
+            jnp.float32,
+        ),
+    ],
+)
+def test_injected_hyperparameters_are_not_rounded_to_a_narrow_leaf(factory, kwargs, dtype) -> None:
+    # Traced b2 = 0.999 (momentum 0.999) rounded to bfloat16 is 1.0: 1 - b2 = 0
+    # left QHAdam's second moment at 0 (a step of m / eps) and QHM's buffer at 0.
+    x = jnp.asarray([1.0, 1.0, 1.0], dtype)
+    g = jnp.asarray([0.5, -0.3, 0.1], dtype)
+    static = ("accumulator_dtype",) if "accumulator_dtype" in kwargs else ()
+    # float32 hyperparameters (inject's default for bfloat16 parameters is
+    # bfloat16 ones, where b2 = 1.0 is refused as out of range).
+    inject = optax.inject_hyperparams(factory, static_args=static, hyperparam_dtype=jnp.float32)
+    results = []
+    for tx in (factory(**kwargs), inject(**kwargs)):
+        params, state, update = x, tx.init(x), jax.jit(tx.update)
+        for _ in range(5):
+            updates, state = update(g, state, params)
+            params = optax.apply_updates(params, updates)
+        inner = getattr(state, "inner_state", state)
+        results.append([np.asarray(a, np.float32) for a in jax.tree.leaves((params, inner))])
+    # The plain optimizer applies its Python-float coefficients in bfloat16, the
+    # injected one in float32: the same parameters and states (the buffer, the
+    # moments) within bfloat16's rounding.
+    for injected, plain in zip(results[1], results[0], strict=True):
+        np.testing.assert_allclose(injected, plain, rtol=2e-2)
+
+
 def test_inject_hyperparams_can_change_nu_midway() -> None:
     tx = optax.inject_hyperparams(qho.qhm)(learning_rate=0.1, momentum=0.9, nu=0.7)
     state = tx.init(jnp.ones(3))

@@ -131,6 +131,13 @@ def test_scale_by_qhmuon_state_and_matrices_only() -> None:
         ({"eps": -1.0}, ValueError, r"eps must be in \[0, inf\); received eps=-1.0"),
         ({"weight_decay": -0.1}, ValueError, r"weight_decay must be in \[0, inf\)"),
         ({"adam_nesterov": 1}, TypeError, "adam_nesterov must be a bool"),
+        # AdamW's settings of the other arrays, which optax.adamw does not check.
+        ({"adam_learning_rate": -0.1}, ValueError, r"adam_learning_rate must be in \[0, inf\)"),
+        ({"adam_b1": 1.5}, ValueError, r"adam_b1 must be in \[0, 1\); received adam_b1=1.5"),
+        ({"adam_b2": 2.0}, ValueError, r"adam_b2 must be in \[0, 1\); received adam_b2=2.0"),
+        ({"adam_eps_root": -1.0}, ValueError, r"adam_eps_root must be in \[0, inf\)"),
+        ({"adam_weight_decay": -1.0}, ValueError, r"adam_weight_decay must be in \[0, inf\)"),
+        ({"consistent_rms": -0.2}, ValueError, r"consistent_rms must be in \[0, inf\)"),
     ],
 )
 def test_bad_hyperparameters_are_named(
@@ -138,6 +145,20 @@ def test_bad_hyperparameters_are_named(
 ) -> None:
     with pytest.raises(error, match=message):
         qho.qhmuon(0.02, **kwargs)
+
+
+@pytest.mark.parametrize("static", [(), ("ns_steps",)])
+def test_inject_hyperparams_gives_the_same_steps(static: tuple[str, ...]) -> None:
+    # inject_hyperparams makes every number an array, traced under jit: nu
+    # (min(nu, 1) of the buffer's correction) and ns_steps (a loop's count)
+    # among them, as optax.contrib.muon takes them.
+    kwargs = {"learning_rate": 0.02, "beta": 0.9, "nu": 0.7, "ns_steps": 4}
+    params = _tree(0)
+    plain, _ = _run(qho.qhmuon(**kwargs), params, steps=3)
+    injected_tx = optax.inject_hyperparams(qho.qhmuon, static_args=static)(**kwargs)
+    injected, _ = _run(injected_tx, params, steps=3)
+    for k in SHAPES:
+        np.testing.assert_allclose(injected[k], plain[k], rtol=1e-6, atol=1e-7)
 
 
 def test_from_params_builds_qhmuon_from_from_muon() -> None:
