@@ -44,6 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from qhoptim import validation
+
 __all__ = [
     "EIGHT_BIT",
     "EIGHT_BIT_NON_FINITE",
@@ -312,10 +314,7 @@ def check_real(is_complex: bool) -> None:
 
 def check_stochastic_rounding(value: object) -> None:
     """``stochastic_rounding`` must be None or a bool."""
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(
-            f"stochastic_rounding must be None or a bool; received stochastic_rounding={value!r}"
-        )
+    validation.check_optional_bool(value, "stochastic_rounding")
 
 
 def stochastic_round_reference(values: Any, step: int, index: int) -> Any:

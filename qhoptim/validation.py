@@ -249,6 +249,17 @@ def check_bool(value: T, name: str) -> T:
     return value
 
 
+def check_optional_bool(value: T, name: str) -> T:
+    """A switch with a default (``foreach``, ``fused``, ``stochastic_rounding``):
+    ``None``, ``True`` or ``False``, in the shared shape::
+
+        TypeError: fused must be None or a bool; received fused='no'
+    """
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be None or a bool; received {name}={value!r}")
+    return value
+
+
 def check_pair(value: object, name: str) -> tuple[Any, Any]:
     """``value`` as a 2-tuple (``betas``, ``nus``); a ``ValueError`` for anything else."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:

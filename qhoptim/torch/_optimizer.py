@@ -69,6 +69,8 @@ def use_grad_for_differentiable(step: _F) -> _F:
 
     @functools.wraps(step)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and reads_counts_on_the_host(self):
+            return torch.compiler.disable(step)(self, *args, **kwargs)  # type: ignore[no-untyped-call]
         prev_grad = torch.is_grad_enabled()
         try:
             torch.set_grad_enabled(self.defaults["differentiable"])
@@ -82,6 +84,19 @@ def use_grad_for_differentiable(step: _F) -> _F:
         return result
 
     return cast(_F, wrapper)
+
+
+def reads_counts_on_the_host(optimizer: Any) -> bool:
+    """Whether a step of ``optimizer`` reads its step counts on the host: the
+    fused kernels fold their coefficients from them (QHAdam's bias
+    corrections), a narrow state's rounding its seeds. Traced by
+    ``torch.compile``, those numbers would stay the traced step's (fused
+    QHAdam 0.2% off by its third step), so there such a step runs as it does
+    eagerly, a call the graph breaks around."""
+    return any(
+        group.get("fused") or group.get("state_dtype") is not None
+        for group in optimizer.param_groups
+    )
 
 
 def _graph_break() -> None:
@@ -132,7 +147,9 @@ def lr_value(lr: Any) -> Any:
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element; received a tensor of shape {lr.shape}")
-        return float(lr.detach())
+        # Its Python number, so that a bool or complex tensor is refused as
+        # True or 0.5+0j are (float() would read them as 1.0 and 0.5).
+        return lr.detach().item()
     if lr is required:
         return 0.0  # torch's add_param_group reports the missing lr, after these checks
     return lr
@@ -322,9 +339,11 @@ class NarrowStateOptimizer(Optimizer):
             for key in keys:
                 if key in state and state[key].dtype != dtype and not p.is_complex():
                     state[key] = state[key].to(dtype)
-            if _state_dtype.PARAM_SHAPE in state:  # loaded, and cast like the rest
-                record = state[_state_dtype.PARAM_SHAPE]
-                state[_state_dtype.PARAM_SHAPE] = record.to(device="cpu", dtype=torch.int64)
+            if _state_dtype.PARAM_SHAPE in state:
+                # Loaded, and cast like the rest to the parameter's dtype, where
+                # a bfloat16 (257,) reads (256,): made again from the parameter,
+                # whose shape check_state_dict matched the saved record to.
+                state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the optimizer state, after checking it fits this optimizer.
@@ -504,13 +523,15 @@ class QHOptimizer(NarrowStateOptimizer):
         validation.check_conversion(f"{cls.__name__}.from_params", converted, expected)
         return cls(params, **converted.as_kwargs(), **kwargs)
 
-    def _check_decay(self, group: dict[str, Any]) -> None:
+    def _check_switches(self, group: dict[str, Any]) -> None:
+        """The group's switches: bools, or None where None picks a default (as
+        torch leaves them unchecked, "False" would maximize and fused="no" fuse)."""
         decoupled = self._renamed(group, warn=False).get("decoupled_weight_decay", False)
-        if not isinstance(decoupled, bool):
-            raise TypeError(
-                "decoupled_weight_decay must be a bool; "
-                f"received decoupled_weight_decay={decoupled!r}"
-            )
+        validation.check_bool(decoupled, "decoupled_weight_decay")
+        for name in ("maximize", "capturable", "differentiable"):
+            validation.check_bool(group.get(name, False), name)
+        for name in ("foreach", "fused"):
+            validation.check_optional_bool(group.get(name), name)
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, as_numbers(defaults))
@@ -523,14 +544,17 @@ class QHOptimizer(NarrowStateOptimizer):
             param_group = as_numbers(param_group)
         super().add_param_group(param_group)
 
-    def _gather(
-        self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
-    ) -> list[dict[str, Any]]:
-        """Append the params with a gradient (and their grads); return their states."""
+    def _gather(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
+        """The group's params with a gradient, and their grads, checked: a
+        sparse gradient, or a parameter a fused step cannot take, raises here,
+        before any group has moved (``step`` gathers every group first, so that
+        a failing step changes nothing). Nothing is made: a new parameter's
+        state is made where its group steps."""
         # The step's host work is per parameter: each attribute read once, and
         # nothing read that no step uses (complex tensors are recognised per
         # tensor where they step, so the group's has_complex is not gathered).
-        states = []
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
         state = self.state
         fused = group["fused"]
         for p in group["params"]:
@@ -539,15 +563,14 @@ class QHOptimizer(NarrowStateOptimizer):
                 continue
             if grad.is_sparse:
                 raise sparse_error(type(self).__name__)
+            if fused and not state.get(p):  # its first step: checked as torch checks it
+                _fused.check_fused_device(p)
             params.append(p)
             grads.append(grad)
-            p_state = state[p]
-            if fused and not p_state:  # its first step: checked as torch checks it
-                _fused.check_fused_device(p)
-            states.append(p_state)
-        return states
+        return params, grads
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+        """Step ``params`` (the group's with a gradient, at least one) by ``grads``."""
         raise NotImplementedError
 
     def _setup_fused(self) -> None:
@@ -587,8 +610,10 @@ class QHOptimizer(NarrowStateOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_amp_scaling()
-        for group in self.param_groups:
-            self._step_group(group)
+        gathered = [self._gather(group) for group in self.param_groups]
+        for group, (params, grads) in zip(self.param_groups, gathered, strict=True):
+            if params:  # else a frozen group: no gradient, nothing to step
+                self._step_group(group, params, grads)
         return loss
 
     def _check_amp_scaling(self) -> None:

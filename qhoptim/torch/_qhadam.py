@@ -125,7 +125,7 @@ class QHAdam(QHOptimizer):
             weight_decay=group["weight_decay"],
             names={"beta1": "betas[0]", "beta2": "betas[1]", "nu1": "nus[0]", "nu2": "nus[1]"},
         )
-        self._check_decay(group)
+        self._check_switches(group)
         validation.check_bool(group.get("amsgrad", False), "amsgrad")
         _state_dtype.check_state_dtype(group)
         if group.get("state_dtype") == torch.float16:
@@ -165,13 +165,13 @@ class QHAdam(QHOptimizer):
         self,
         group: dict[str, Any],
         params: list[Tensor],
-        grads: list[Tensor],
         exp_avgs: list[Tensor],
         exp_avg_sqs: list[Tensor],
         max_exp_avg_sqs: list[Tensor],
         state_steps: list[Tensor],
     ) -> None:
-        states = self._gather(group, params, grads)
+        state = self.state
+        states = [state[p] for p in params]
         amsgrad, differentiable = group["amsgrad"], group["differentiable"]
         for p, state in zip(params, states, strict=True):
             if len(state) == 0:
@@ -200,16 +200,12 @@ class QHAdam(QHOptimizer):
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             state_steps.append(state["step"])
 
-    def _step_group(self, group: dict[str, Any]) -> None:
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
+    def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         exp_avgs: list[Tensor] = []
         exp_avg_sqs: list[Tensor] = []
         max_exp_avg_sqs: list[Tensor] = []
         state_steps: list[Tensor] = []
-        self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
-        if not params:  # a frozen group: no gradient, nothing to step
-            return
+        self._init_group(group, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
         moments = [exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if group["amsgrad"] else [])]
         if group.get("state_dtype") is None:  # the common case, at the least host work
             self._qhadam(group, params, grads, moments, state_steps, None)
@@ -401,6 +397,14 @@ class QHAdamW(QHAdam):
         stochastic_rounding: bool | None = None,
         **legacy: Any,
     ) -> None:
+        for name in ("decoupled_weight_decay", "decouple_weight_decay"):
+            if name in legacy:
+                # QHAdam's legacy rename would turn this class's True into the value.
+                raise TypeError(
+                    f"QHAdamW's weight decay is always decoupled: it takes no {name} "
+                    f"(QHAdam(decoupled_weight_decay=False) decays as L2); received "
+                    f"{name}={legacy[name]!r}"
+                )
         super().__init__(
             params,
             lr,

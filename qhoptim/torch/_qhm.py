@@ -111,7 +111,7 @@ class QHM(MomentumBufferState, QHOptimizer):
         hparams = {k: group[k] for k in ("momentum", "nu", "weight_decay")}
         numbers_only(hparams)
         validation.check_qhm(lr=lr_value(group["lr"]), **hparams)
-        self._check_decay(group)
+        self._check_switches(group)
         _state_dtype.check_state_dtype(group)
 
     def _upgrade_group(self, group: dict[str, Any]) -> None:
@@ -129,10 +129,11 @@ class QHM(MomentumBufferState, QHOptimizer):
         self,
         group: dict[str, Any],
         params: list[Tensor],
-        grads: list[Tensor],
         momentum_buffers: list[Tensor],
     ) -> None:
-        states = self._gather(group, params, grads)
+        """Append the buffers of ``params``, made where new."""
+        state = self.state
+        states = [state[p] for p in params]
         if all(states) and (group["state_dtype"] is None or all(map(_HAS_STEP, states))):
             # The common case, every state made (a narrow one's step count
             # too): taken at C speed, since the step's host work is per parameter.
@@ -141,13 +142,9 @@ class QHM(MomentumBufferState, QHOptimizer):
         for p, state in zip(params, states, strict=True):
             momentum_buffers.append(self._momentum_buffer(group, p, state))
 
-    def _step_group(self, group: dict[str, Any]) -> None:
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
+    def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         momentum_buffers: list[Tensor] = []
-        self._init_group(group, params, grads, momentum_buffers)
-        if not params:  # a frozen group: no gradient, nothing to step
-            return
+        self._init_group(group, params, momentum_buffers)
         if group.get("state_dtype") is None:  # the common case, at the least host work
             self._qhm(group, params, grads, momentum_buffers, None)
             return

@@ -155,22 +155,26 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Every group's parameters checked before any group moves: a failing
+        # step changes nothing.
+        gathered = []
         for group in self.param_groups:
-            params, grads, buffers, steps = [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 if torch.is_complex(p):
                     raise RuntimeError("QHMuon does not support complex parameters")
                 if p.grad.is_sparse:
                     raise RuntimeError("QHMuon does not support sparse gradients")
-                state = self.state[p]
-                params.append(p)
-                grads.append(p.grad)
-                buffers.append(self._momentum_buffer(group, p, state))
-                steps.append(state.get("step"))
+            gathered.append(params)
+        for group, params in zip(self.param_groups, gathered, strict=True):
             if not params:
                 continue
+            grads = [p.grad for p in params]
+            states = [self.state[p] for p in params]
+            buffers = [
+                self._momentum_buffer(group, p, s) for p, s in zip(params, states, strict=True)
+            ]
+            steps = [s.get("step") for s in states]
             hyperparameters = {
                 key: group[key]
                 for key in (

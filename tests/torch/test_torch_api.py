@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -81,6 +82,40 @@ def test_legacy_weight_decay_names_warn_and_still_work(
 def test_decoupled_weight_decay_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="decoupled_weight_decay must be a bool"):
         QHAdam(_params(), decoupled_weight_decay=1)
+
+
+@pytest.mark.parametrize("legacy", ["decouple_weight_decay", "decoupled_weight_decay"])
+@pytest.mark.parametrize("value", [False, True])
+def test_qhadamw_takes_no_weight_decay_switch(legacy: str, value: bool) -> None:
+    # qhoptim 1.1.0's rename would otherwise turn QHAdamW's decay into L2.
+    with pytest.raises(TypeError, match=f"QHAdamW's weight decay is always decoupled: .*{legacy}="):
+        QHAdamW(_params(), **{legacy: value})
+
+
+@pytest.mark.parametrize("cls", [QHM, QHAdam, QHAdamW])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"maximize": "False"}, "maximize must be a bool; received maximize='False'"),
+        ({"capturable": 1}, "capturable must be a bool; received capturable=1"),
+        ({"differentiable": None}, "differentiable must be a bool; received differentiable=None"),
+        ({"fused": "no"}, "fused must be None or a bool; received fused='no'"),
+        ({"foreach": 1}, "foreach must be None or a bool; received foreach=1"),
+        # A tensor lr is read as the number it holds: True and 0.5+0j are no lr.
+        ({"lr": torch.tensor(True)}, "lr must be a real number; received lr=True"),
+        ({"lr": torch.tensor(0.5 + 0j)}, r"lr must be a real number; received lr=\(0.5\+0j\)"),
+    ],
+)
+def test_switches_and_tensor_lrs_of_other_types_are_refused(
+    cls: type, kwargs: dict[str, Any], match: str
+) -> None:
+    # torch leaves its switches unchecked, where "False" would maximize.
+    with pytest.raises(TypeError, match=match):
+        cls(_params(), **{"lr": 0.1, **kwargs})
+    opt = cls(_params(), lr=0.1)
+    with pytest.raises(TypeError, match=match):
+        opt.add_param_group({"params": _params(), **kwargs})
+    assert len(opt.param_groups) == 1
 
 
 @pytest.mark.parametrize("cls", [QHAdam, QHAdamW])
@@ -364,6 +399,41 @@ def test_sparse_gradients_raise_naming_the_optimizer(cls, foreach) -> None:
     p.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([2.0]), (4,))
     with pytest.raises(RuntimeError, match=f"^{cls.__name__} does not support sparse gradients"):
         opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "bad", "match"),
+    [
+        (QHM, {"lr": 0.1}, "sparse", "QHM does not support sparse gradients"),
+        (QHAdam, {"foreach": True}, "sparse", "QHAdam does not support sparse gradients"),
+        (QHAdam, {"fused": True}, "sparse", "QHAdam does not support sparse gradients"),
+        (QHM, {"lr": 0.1, "fused": True}, "complex", "fused=True. requires all the params"),
+        (qht.QHMuon, {"lr": 0.02}, "sparse", "QHMuon does not support sparse gradients"),
+        (qht.QHMuon, {"lr": 0.02}, "complex", "QHMuon does not support complex parameters"),
+    ],
+)
+def test_a_step_refused_in_a_later_group_moves_no_group(
+    cls: type, kwargs: dict[str, Any], bad: str, match: str
+) -> None:
+    # Every group is checked before any steps: the first group's parameter
+    # and state stay as they were, and the refused one gets no state.
+    good = torch.nn.Parameter(torch.ones(2, 2))
+    opt = cls([good], **kwargs)
+    good.grad = torch.ones(2, 2)
+    opt.step()
+    before = (good.detach().clone(), {k: v.clone() for k, v in opt.state[good].items()})
+    other = torch.nn.Parameter(
+        torch.ones(2, 2, dtype=torch.complex64 if bad == "complex" else None)
+    )
+    opt.add_param_group({"params": [other]})
+    other.grad = torch.ones_like(other).to_sparse() if bad == "sparse" else torch.ones_like(other)
+    with pytest.raises(RuntimeError, match=match):
+        opt.step()
+    assert torch.equal(good, before[0])
+    assert opt.state[good].keys() == before[1].keys()
+    assert all(torch.equal(opt.state[good][k], v) for k, v in before[1].items())
+    assert other not in opt.state
 
 
 def test_base_class_checks_still_apply() -> None:

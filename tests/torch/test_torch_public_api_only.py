@@ -417,10 +417,11 @@ def test_step_runs_with_grad_only_when_differentiable() -> None:
     seen = []
 
     class Probe(qhoptim.torch.QHM):
-        def _step_group(self, group: dict[str, object]) -> None:
+        def _step_group(self, group: dict[str, object], params: object, grads: object) -> None:
             seen.append(torch.is_grad_enabled())
 
     p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)  # a group without gradients is not stepped
     for differentiable in (False, True):
         opt = Probe([p], lr=0.1, differentiable=differentiable)
         with torch.enable_grad():

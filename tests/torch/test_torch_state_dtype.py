@@ -423,6 +423,24 @@ def test_8_bit_state_follows_float32_state_on_the_conformance_problems(case: Any
     assert _deviation(case, U8) <= eight_bit_tolerance(case)
 
 
+@pytest.mark.parametrize(("dtype", "n"), [(torch.bfloat16, 257), (torch.float16, 2049)])
+def test_an_8_bit_state_saved_after_a_load_loads_again(dtype: torch.dtype, n: int) -> None:
+    # torch's load casts the state's shape record to the parameter's dtype
+    # too, where bfloat16 holds 257 as 256: the record saved next must still
+    # be the parameter's shape, or that checkpoint is refused.
+    p = torch.nn.Parameter(torch.randn(n).to(dtype))
+    opt = QHAdam([p], lr=1e-3, state_dtype=U8)
+    p.grad = torch.randn(n).to(dtype)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for _ in range(2):
+        q = torch.nn.Parameter(p.detach().clone())
+        loaded = QHAdam([q], lr=1e-3, state_dtype=U8)
+        loaded.load_state_dict(saved)
+        assert loaded.state[q][_state_dtype.PARAM_SHAPE].tolist() == [n]
+        saved = copy.deepcopy(loaded.state_dict())
+
+
 def test_an_8_bit_state_of_the_wrong_size_is_refused_on_load() -> None:
     params = _params()
     opt = QHAdam(params, lr=1e-2, state_dtype=U8)
