@@ -13,8 +13,9 @@ arrays and tensors of NumPy, JAX, TensorFlow or torch whose value is known
 float). Values whose number is only known later are returned untouched: a
 traced array under ``jax.jit`` or ``optax.inject_hyperparams`` (or in a
 ``tf.function`` graph), a variable (anything with an ``assign`` method, such as
-a Keras or TensorFlow variable, meant to change while training), an array of
-several elements, and a learning-rate schedule or other callable. Everything
+a Keras or TensorFlow variable, meant to change while training), and a
+learning-rate schedule or other callable; an array of several elements is
+returned as it is, each of its elements checked. Everything
 else -- a string, ``None``, a bool, a complex number, a list or tuple where one
 number is expected -- is a ``TypeError`` in the same shape::
 
@@ -112,6 +113,37 @@ def _as_float(value: numbers.Real) -> float:
         return float(value)
     except OverflowError:
         return -math.inf if value < 0 else math.inf
+
+
+def _flattened(listed: object) -> list[object]:
+    return (
+        [x for item in listed for x in _flattened(item)] if isinstance(listed, list) else [listed]
+    )
+
+
+def _elements_of(value: object, name: str) -> list[float]:
+    """The numbers of a concrete array of several elements (NumPy, JAX,
+    torch, TensorFlow's eager tensors), each a real, else a ``TypeError``;
+    ``[]`` for anything else (a scalar, a deferred value). Such an array passes
+    as it is -- an optax hyperparameter may be one, broadcast against its
+    leaf -- but every element in range, so that ``momentum=[0.5, 1.5]`` is
+    refused where it would have stepped."""
+    if (
+        hasattr(value, "assign")
+        or _is_jax_tracer(value)
+        or not (hasattr(value, "shape") and hasattr(value, "dtype"))
+    ):
+        return []
+    try:
+        listed = value.tolist() if hasattr(value, "tolist") else value.numpy().tolist()  # type: ignore[attr-defined]
+    except Exception:  # a value not readable here: symbolic, meta, fake
+        return []
+    elements = _flattened(listed)
+    if len(elements) < 2:
+        return []
+    if any(isinstance(x, bool) or not isinstance(x, numbers.Real) for x in elements):
+        raise _not_a_number(name, value)
+    return [_as_float(x) for x in elements]  # type: ignore[arg-type]
 
 
 def _concrete(value: object, name: str | None) -> float | None:
@@ -218,16 +250,18 @@ def check_interval(
 ) -> T:
     """Check a concrete ``value`` lies in the interval from ``low`` to ``high``.
 
-    NaN is never inside; deferred values (arrays, tensors, callables) are
-    returned unchecked, any other non-number is a ``TypeError``.
+    NaN is never inside; deferred values (traced arrays, variables,
+    callables) are returned unchecked, a concrete array of several elements
+    checked element by element, any other non-number is a ``TypeError``.
     """
     x = _concrete(value, name)
-    if x is None:
-        return value
-    ok = not math.isnan(x)
-    ok = ok and (x >= low if low_closed else x > low)
-    ok = ok and (x <= high if high_closed else x < high)
-    if not ok:
+
+    def inside(x: float) -> bool:
+        ok = not math.isnan(x)
+        ok = ok and (x >= low if low_closed else x > low)
+        return ok and (x <= high if high_closed else x < high)
+
+    if not all(map(inside, _elements_of(value, name) if x is None else [x])):
         interval = (
             ("[" if low_closed else "(")
             + f"{_fmt(low)}, {_fmt(high)}"
@@ -287,6 +321,8 @@ def check_finite(value: T, name: str) -> T:
     x = _concrete(value, name)
     if x is not None and not math.isfinite(x):
         raise ValueError(f"{name} must be a finite real number; received {name}={_shown(value, x)}")
+    if x is None and not all(map(math.isfinite, _elements_of(value, name))):
+        raise ValueError(f"{name} must be a finite real number; received {name}={value!r}")
     return value
 
 

@@ -122,7 +122,7 @@ class _ArrayLike:
 
 @pytest.mark.parametrize(
     "value",
-    [_ArrayLike(), np.ones(3), lambda step: 0.1],
+    [_ArrayLike(), np.full(3, 0.5), lambda step: 0.1],
     ids=["array-like", "array", "schedule"],  # not repr's addresses: one id in every process
 )
 def test_deferred_values_pass_unchecked(value: Any) -> None:
@@ -130,3 +130,22 @@ def test_deferred_values_pass_unchecked(value: Any) -> None:
     validation.check_qhadam(
         lr=value, beta1=value, beta2=value, nu1=value, nu2=value, eps=value, weight_decay=value
     )
+
+
+@pytest.mark.parametrize(
+    ("check", "value", "error", "message"),
+    [
+        (validation.check_beta, np.array([0.5, 1.5]), ValueError, r"must be in \[0, 1\)"),
+        (validation.check_eps, np.array([[1e-8], [-1.0]]), ValueError, r"must be in \[0, inf\)"),
+        (validation.check_nu, np.array([0.5, np.inf]), ValueError, "must be a finite real number"),
+        (validation.check_lr, np.array([0.1, np.nan]), ValueError, r"must be in \[0, inf\)"),
+        (validation.check_beta, np.array([True, False]), TypeError, "must be a real number"),
+    ],
+)
+def test_an_array_of_several_elements_is_checked_element_by_element(
+    check: Any, value: Any, error: type[Exception], message: str
+) -> None:
+    # It passes as it is (an optax hyperparameter may broadcast against its
+    # leaf), but an element out of range had stepped Keras's JAX backend.
+    with pytest.raises(error, match=f"^x {message}; received x=array"):
+        check(value, "x")

@@ -81,7 +81,7 @@ class _Traced:
     dtype = "float32"
 
 
-@pytest.mark.parametrize("value", [_Traced(), lambda step: 0.1, np.ones(3)])
+@pytest.mark.parametrize("value", [_Traced(), lambda step: 0.1, np.full(3, 0.5)])
 def test_non_concrete_values_are_passed_through(value) -> None:
     for check in (v.check_lr, v.check_eps, v.check_weight_decay):
         assert check(value) is value

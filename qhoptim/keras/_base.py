@@ -10,6 +10,7 @@ that backend.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
@@ -18,12 +19,22 @@ from keras import ops
 from qhoptim import rounding, validation
 from qhoptim.keras import _narrow
 from qhoptim.keras._settings import BACKEND
-from qhoptim.keras._step import apply_step, scalar_input
+from qhoptim.keras._step import (
+    TENSOR_HYPERPARAMETER,
+    apply_step,
+    scalar_input,
+    with_tensor_hyperparameters,
+)
 
 try:  # the text Keras's own optimizers substitute for {{base_optimizer_keyword_args}}
     from keras.src.optimizers.optimizer import base_optimizer_keyword_args as _BASE_ARGS
 except ImportError:  # pragma: no cover - keras moved its private module
     _BASE_ARGS = "name, weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ..."
+
+
+def _is_tensor(value: Any) -> bool:
+    """A hyperparameter held as a ``keras.Variable`` or a backend tensor, not a number."""
+    return isinstance(value, keras.Variable) or ops.is_tensor(value)
 
 
 def as_float(value: Any) -> Any:
@@ -145,6 +156,10 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
         type. A store saved from another model or optimizer raises
         ``ValueError`` and leaves the state as it was (Keras alone warns on a
         count mismatch and loads nothing, and assigns until the first mismatch).
+        Where one side has no slots yet -- saved, or loaded into, before the
+        first step (``model.save`` before ``fit``; ``load_weights`` into a model
+        just compiled) -- there is no state to carry: as Keras's optimizers,
+        this warns and loads nothing.
         """
         import numpy as np
 
@@ -164,6 +179,22 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
                     f"this optimizer keeps {kinds[self._layout()]}"
                 )
             keys.discard(self._LAYOUT_KEY)
+        # The variables an optimizer has before it builds: its step count and
+        # (unless a schedule) its learning rate.
+        unbuilt = sum(
+            isinstance(v, keras.Variable)
+            for v in (self._iterations, getattr(self, "_learning_rate", None))
+        )
+        if len(keys) != len(self.variables) and (not self.built or len(keys) == unbuilt):
+            warnings.warn(
+                f"{name} loads no variables: the store has {len(keys)}, the optimizer "
+                f"{len(self.variables)}, and "
+                + ("the optimizer" if not self.built else "the store's optimizer")
+                + " had not stepped yet (it builds on its first step, or with "
+                "optimizer.build(model.trainable_variables))",
+                stacklevel=2,
+            )
+            return
         if len(keys) != len(self.variables):
             hint = (
                 " (is the optimizer built? it builds on its first step, or with "
@@ -237,6 +268,12 @@ class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
             name: self._dense(ops.cast(x, dtype)) if name == "gradient" else scalar_input(x, dtype)
             for name, x in inputs.items()
         }
+        tensors = tuple(sorted(k for k, v in hparams.items() if _is_tensor(v)))
+        if tensors:
+            step = with_tensor_hyperparameters(step, tensors)
+            for name in tensors:
+                inputs[TENSOR_HYPERPARAMETER + name] = hparams[name]
+            hparams = {k: v for k, v in hparams.items() if k not in tensors}
         if self._narrow(variable):
             step = _narrow.with_narrow_state(step)
             inputs["iterations"] = self.iterations

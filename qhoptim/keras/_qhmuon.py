@@ -134,6 +134,15 @@ class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
             adjustments=rules.MUON_LR_ADJUSTMENTS,
             names={"lr": "learning_rate", "ns_coefficients": "(muon_a, muon_b, muon_c)"},
         )
+        # The AdamW step of the other variables, whose settings Keras's Muon
+        # takes unchecked, and the matrices' RMS scale (None: unscaled).
+        validation.check_beta(self.adam_beta_1, "adam_beta_1")
+        validation.check_beta(self.adam_beta_2, "adam_beta_2")
+        validation.check_eps(self.epsilon, "epsilon")
+        validation.check_weight_decay(self.adam_weight_decay, "adam_weight_decay")
+        validation.check_lr(self.adam_lr_ratio, "adam_lr_ratio")
+        if self.rms_rate is not None:
+            validation.check_lr(self.rms_rate, "rms_rate")
         self.momentum, self.nu = as_float(self.momentum), as_float(nu)
         self.state_dtype = _narrow.checked_state_dtype(state_dtype, stochastic_rounding)
         self.stochastic_rounding = stochastic_rounding

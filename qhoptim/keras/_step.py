@@ -8,6 +8,7 @@ one XLA computation on TensorFlow, ``jax.jit`` on JAX).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from keras import ops
@@ -38,6 +39,34 @@ def scalar_input(value: Any, dtype: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return ops.convert_to_tensor(float(value), dtype=dtype)
     return value
+
+
+def is_number(value: Any) -> bool:
+    """A Python number (folded into the step as a constant); not a variable or tensor."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+#: The prefix of a hyperparameter's name among a step's inputs
+#: (:func:`with_tensor_hyperparameters`).
+TENSOR_HYPERPARAMETER = "hyperparameter:"
+
+
+@functools.cache
+def with_tensor_hyperparameters(step: Any, names: tuple[str, ...]) -> Any:
+    """``step`` with the hyperparameters ``names`` -- a ``keras.Variable`` or a
+    tensor, as Keras's own optimizers take (``beta_1=keras.Variable(0.9)``) --
+    passed among its inputs (``"hyperparameter:beta1"``), read at each step and
+    cast to the variable's dtype, where a traced function (``tf.function``,
+    ``jax.jit``) takes its keywords as constants. One function per rule and
+    names, so that compiled steps are reused."""
+
+    def tensor_step(inputs: Inputs, slots: Slots, param: Any, **hparams: Any) -> tuple[Slots, Any]:
+        inputs = dict(inputs)
+        for name in names:
+            hparams[name] = ops.cast(inputs.pop(TENSOR_HYPERPARAMETER + name), param.dtype)
+        return step(inputs, slots, param, **hparams)  # type: ignore[no-any-return]
+
+    return tensor_step
 
 
 def bias_correction_dtype() -> str:
@@ -99,8 +128,16 @@ def _bias_corrections(
     """
     t = step_number(iterations, bias_dtype)
     expm1 = ops.expm1 if bias_dtype == "float32" else None
-    bc1 = rules.bias_correction(hparams["beta1"], t, expm1=expm1)
-    bc2 = rules.bias_correction(hparams["beta2"], t, expm1=expm1)
+
+    def correction(beta: Any) -> Any:
+        if is_number(beta):
+            return rules.bias_correction(beta, t, expm1=expm1)
+        # A variable's or tensor's beta (with_tensor_hyperparameters), in the
+        # bias corrections' dtype; its log taken there too.
+        beta = ops.cast(beta, bias_dtype)
+        return rules.bias_correction(beta, t, expm1=expm1, log=ops.log)
+
+    bc1, bc2 = correction(hparams["beta1"]), correction(hparams["beta2"])
     return {"bias_correction1": ops.cast(bc1, dtype), "bias_correction2": ops.cast(bc2, dtype)}
 
 

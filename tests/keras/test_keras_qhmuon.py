@@ -103,6 +103,13 @@ def test_configuration_round_trips_and_names() -> None:
         ({"learning_rate": -1.0}, ValueError, r"learning_rate must be in \[0, inf\)"),
         ({"ns_steps": 100}, ValueError, r"ns_steps must be in \[0, 100\); received ns_steps=100"),
         ({"nesterov": False}, TypeError, "QHMuon takes nu instead of nesterov"),
+        # The other variables' AdamW settings, which Keras's Muon takes unchecked.
+        ({"adam_beta_1": 1.5}, ValueError, r"adam_beta_1 must be in \[0, 1\)"),
+        ({"adam_beta_2": -1.0}, ValueError, r"adam_beta_2 must be in \[0, 1\)"),
+        ({"epsilon": -1e-7}, ValueError, r"epsilon must be in \[0, inf\)"),
+        ({"adam_weight_decay": -10.0}, ValueError, r"adam_weight_decay must be in \[0, inf\)"),
+        ({"adam_lr_ratio": float("nan")}, ValueError, r"adam_lr_ratio must be in \[0, inf\)"),
+        ({"rms_rate": -0.2}, ValueError, r"rms_rate must be in \[0, inf\)"),
     ],
 )
 def test_bad_hyperparameters_are_named(

@@ -271,6 +271,35 @@ def test_a_store_of_another_variable_count_raises(cls, extra) -> None:
     _assert_unchanged(opt, before)
 
 
+@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam])
+def test_a_store_from_before_the_first_step_loads_nothing_and_warns(cls) -> None:
+    # As Keras's optimizers: model.save before fit, or load_weights into a
+    # model just compiled, has no state on one side to carry.
+    unbuilt = {}
+    cls(0.1).save_own_variables(unbuilt)
+    opt = _trained(cls)
+    before = [_np(x).copy() for x in opt.variables]
+    with pytest.warns(UserWarning, match=f"{cls.__name__} loads no variables: .* had not stepped"):
+        opt.load_own_variables(unbuilt)
+    _assert_unchanged(opt, before)
+    built = {}
+    opt.save_own_variables(built)
+    fresh = cls(0.1)
+    with pytest.warns(UserWarning, match="the optimizer had not stepped yet"):
+        fresh.load_own_variables(built)
+    assert not fresh.built
+
+
+def test_a_model_saved_before_fit_loads(tmp_path) -> None:
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=qk.QHAdam(0.01), loss="mse")
+    model.save(tmp_path / "m.keras")
+    with pytest.warns(UserWarning, match="QHAdam loads no variables"):
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    loaded.fit(np.ones((4, 3)), np.ones((4, 2)), epochs=1, verbose=0)
+    assert int(_np(loaded.optimizer.iterations)) == 1
+
+
 def test_a_qhm_store_whose_shapes_fit_is_not_loaded_into_qhadam() -> None:
     # QHM on 4 variables keeps 4 momentum slots; QHAdam on 2 keeps a momentum and
     # a velocity each, in the same order of shapes.

@@ -314,6 +314,34 @@ def test_torch_tensor_hyperparameters_take_the_generic_path(
     assert not calls
 
 
+@pytest.mark.parametrize(
+    ("name", "attribute"),
+    [("qhm", "momentum"), ("qhm", "nu"), ("qhadam", "beta_1"), ("qhadam", "beta_2")],
+)
+def test_a_variable_hyperparameter_steps_as_its_value(name: str, attribute: str) -> None:
+    # As Keras's own optimizers take one (Adam(beta_1=keras.Variable(0.9))):
+    # read at each step, in the variable's dtype, on every path (TensorFlow's
+    # XLA step and JAX's jitted fit took it as a constant and failed).
+    make, make_ref = PAIRS[name]
+
+    def with_variable() -> keras.optimizers.Optimizer:
+        opt = make()
+        value = keras.Variable(getattr(opt, attribute), dtype=EXACT_DTYPE, trainable=False)
+        setattr(opt, attribute, value)
+        return opt
+
+    want = reference_steps(make_ref(), X0, quadratic_grad, 6)
+    _assert_close(apply_steps(with_variable(), X0, quadratic_grad, 6), want)
+    x, y = make_regression(64)
+    fitted = []
+    for opt in (make(), with_variable()):
+        model = make_mlp()
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        fitted.append(flat_weights(model))
+    np.testing.assert_allclose(fitted[1], fitted[0], rtol=1e-5, atol=1e-6)
+
+
 @only_backend("jax")
 def test_jax_stateless_apply_under_jit_matches_apply() -> None:
     import jax
