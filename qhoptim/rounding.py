@@ -207,6 +207,13 @@ EIGHT_BIT = "uint8"
 EIGHT_BIT_SMALLEST = 2.0**-126
 #: Values per block of an 8-bit state (one float32 scale per block).
 EIGHT_BIT_BLOCK = 256
+#: The largest block scale whose float32 reciprocal is normal. Above it (a block
+#: within a factor 4 of float32's overflow) the rule takes ratios as the
+#: magnitude times the reciprocal of ``scale / 4``, times ``1/4`` (exact), so
+#: that no step of it is subnormal: XLA, and torch under
+#: ``set_flush_denormal``, would flush such a reciprocal to 0 and store the
+#: block as zeros.
+EIGHT_BIT_LARGEST_PLAIN_SCALE = 2.0**126
 #: Levels per octave of :func:`eight_bit_levels`' ladder (6.7% to 12.5% apart).
 EIGHT_BIT_PER_OCTAVE = 8
 #: The code of a non-finite value, by whether the state is signed: a signed
@@ -344,8 +351,9 @@ def eight_bit_encode_reference(
 
     Each block of :data:`EIGHT_BIT_BLOCK` values is scaled by its largest
     finite magnitude: a value's ``ratio`` is its magnitude times the float32
-    reciprocal of the scale (magnitudes and ratios below
-    :data:`EIGHT_BIT_SMALLEST` read as 0). It lies between two levels
+    reciprocal of the scale (above :data:`EIGHT_BIT_LARGEST_PLAIN_SCALE`: of
+    a quarter of the scale, the product then times 1/4; magnitudes and ratios
+    below :data:`EIGHT_BIT_SMALLEST` read as 0). It lies between two levels
     ``below <= ratio < above`` of :func:`eight_bit_levels` (``searchsorted``
     on the right, the last pair at most) and is stored as ``above`` when
     ``ratio - below > u * (above - below)``, ``u`` the noise over 2**16 (0.5
@@ -366,9 +374,12 @@ def eight_bit_encode_reference(
     padded = np.zeros(blocks * EIGHT_BIT_BLOCK, np.float32)
     padded[:n] = magnitudes
     scales = padded.reshape(blocks, EIGHT_BIT_BLOCK).max(axis=1)
+    large = scales > np.float32(EIGHT_BIT_LARGEST_PLAIN_SCALE)
     with np.errstate(invalid="ignore", divide="ignore"):
-        inverse = np.float32(1) / scales  # once per block
+        inverse = np.where(large, np.float32(4), np.float32(1)) / scales  # once per block
+        after = np.where(large, np.float32(0.25), np.float32(1))
         ratio = magnitudes * np.repeat(inverse, EIGHT_BIT_BLOCK)[:n]
+        ratio = ratio * np.repeat(after, EIGHT_BIT_BLOCK)[:n]
     # 0 * inf in an all-zero block
     ratio = np.where(np.isnan(ratio) | (ratio < smallest), np.float32(0), ratio)
     levels = np.asarray(eight_bit_levels(signed), np.float32)

@@ -42,6 +42,9 @@ constexpr int64_t kBlock = 256;
 // Magnitudes and ratios below float32's smallest normal number are read as 0
 // (qhoptim.rounding.EIGHT_BIT_SMALLEST).
 constexpr float kSmallestNormal = std::numeric_limits<float>::min();
+// qhoptim.rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE, 2**126: the largest scale
+// whose reciprocal is normal.
+constexpr float kLargestPlainScale = 0x1p126f;
 
 // The codes of non-finite values (qhoptim.rounding.EIGHT_BIT_NON_FINITE): a
 // signed state's NaN or infinity (its "-0", otherwise unused) reads back as
@@ -555,15 +558,18 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
 #endif
 
 // Encode `len` values `x` of a block of `scale` (the values `first ..` of their
-// tensor, the noise's counter) into `c`.
+// tensor, the noise's counter) into `c`: a value's ratio is its magnitude
+// times `inverse_scale`, times `after` (1, or 1/4 for a scale above
+// kLargestPlainScale, whose blocks take the scalar loop).
 template <bool SIGNED, bool STOCHASTIC, bool FOLD>
 inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, int64_t first,
-                          int len, float inverse_scale, const Ladder& ladder, uint32_t s) {
+                          int len, float inverse_scale, float after, const Ladder& ladder,
+                          uint32_t s) {
   const float* __restrict__ lv = ladder.lv;
   const int nl = ladder.nl, per_octave = ladder.per_octave;
   int i = 0;
   if constexpr (!FOLD) {
-    if (ladder.linear) {
+    if (ladder.linear && after == 1.0f) {
       [[maybe_unused]] const auto start = static_cast<uint32_t>(first);
 #if defined(QHOPTIM_AVX512)
       i = encode_values_avx512<SIGNED, STOCHASTIC>(c, x, start, len, inverse_scale, ladder, s);
@@ -580,7 +586,7 @@ inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, 
     // Subnormal magnitudes and ratios count as 0 (qhoptim.rounding's rule:
     // the bytes do not depend on a flush-to-zero mode, XLA's on CPU).
     const float magnitude = absolute < kSmallestNormal ? 0.0f : absolute;
-    float ratio = magnitude * inverse_scale;
+    float ratio = magnitude * inverse_scale * after;
     ratio = ratio != ratio || ratio < kSmallestNormal ? 0.0f : ratio;  // 0 * inf: all-zero block
     // The last level <= ratio (the table decides): a first guess of
     // per_octave * log2(ratio) from the float's exponent and the top of its
@@ -638,10 +644,15 @@ inline void encode_block_at_scale(uint8_t* c, const float* x, int64_t first, int
                                   float scale, const Ladder& ladder, bool is_signed, uint32_t s,
                                   bool stochastic) {
   const int n = static_cast<int>(len);
-  const float inverse_scale = 1.0f / scale;  // once per block: ratios are products
+  // Once per block: ratios are products. Above kLargestPlainScale the
+  // reciprocal of a quarter of the scale, the product then times 1/4: the
+  // plain reciprocal would be subnormal, 0 where subnormals are flushed.
+  const bool large = scale > kLargestPlainScale;
+  const float inverse_scale = (large ? 4.0f : 1.0f) / scale;
+  const float after = large ? 0.25f : 1.0f;
   auto encode = [&](auto signed_tag, auto stochastic_tag, auto fold_tag) {
     encode_values<decltype(signed_tag)::value, decltype(stochastic_tag)::value,
-                  decltype(fold_tag)::value>(c, x, first, n, inverse_scale, ladder, s);
+                  decltype(fold_tag)::value>(c, x, first, n, inverse_scale, after, ladder, s);
   };
   auto with_fold = [&](auto signed_tag, auto stochastic_tag) {
     !WRAP && needs_fold(first, len) ? encode(signed_tag, stochastic_tag, std::true_type{})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -167,6 +168,20 @@ def _canonical_dtype(dtype: Any) -> Any:
     return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
 
 
+def _inexact_dtype(dtype: Any, name: str) -> Any:
+    """``dtype`` (``accumulator_dtype``, ``mu_dtype``, ``ns_dtype``) canonical,
+    None kept, refused unless floating-point or complex: an integer state
+    would be truncated at every step (the 8-bit state is ``state_dtype``'s)."""
+    dtype = _canonical_dtype(dtype)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+        hint = "" if name == "ns_dtype" else " (an 8-bit state is state_dtype=jnp.uint8)"
+        raise ValueError(
+            f"{name} must be None or a floating-point dtype; received "
+            f"{name}={jnp.dtype(dtype).name}{hint}"
+        )
+    return dtype
+
+
 def _bias_correction(beta: float | jax.Array, count: jax.Array) -> jax.Array:
     """``1 - beta**count`` under :func:`qhoptim.rules.bias_correction`'s float32 policy.
 
@@ -234,6 +249,35 @@ class EightBitArray:
         return tuple(self.codes.shape)
 
 
+_flax_knows_eight_bit = False
+
+
+def _tell_flax_of_eight_bit() -> None:
+    """Register :class:`EightBitArray` with ``flax.serialization`` (a state dict
+    of its codes and scales; ``signed`` comes from the target, as a pytree's
+    auxiliary data does), where flax is imported: ``to_bytes`` of an 8-bit
+    state, as of any optax state. Called on import and by every 8-bit
+    ``init``, so that flax is never imported here."""
+    global _flax_knows_eight_bit
+    serialization = sys.modules.get("flax.serialization")
+    if _flax_knows_eight_bit or serialization is None:
+        return
+
+    def to_state_dict(x: EightBitArray) -> dict[str, Any]:
+        return {"codes": x.codes, "scales": x.scales}
+
+    def from_state_dict(target: EightBitArray, state: dict[str, Any]) -> EightBitArray:
+        return EightBitArray(
+            jnp.asarray(state["codes"]), jnp.asarray(state["scales"]), target.signed
+        )
+
+    serialization.register_serialization_state(EightBitArray, to_state_dict, from_state_dict)
+    _flax_knows_eight_bit = True
+
+
+_tell_flax_of_eight_bit()
+
+
 def _state_dtype(state_dtype: Any, stochastic_rounding: Any, **others: Any) -> Any:
     """The checked ``state_dtype`` (canonical), alone among the dtype arguments ``others``."""
     rounding.check_stochastic_rounding(stochastic_rounding)
@@ -269,6 +313,7 @@ def _zeros_state(params: optax.Params, state_dtype: Any, signed: bool) -> Any:
     sharding (``zeros_like``)."""
     if state_dtype != jnp.uint8:
         return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=state_dtype), params)
+    _tell_flax_of_eight_bit()
 
     def zeros(p: jax.Array) -> EightBitArray:
         blocks = -(-p.size // rounding.EIGHT_BIT_BLOCK)
@@ -344,8 +389,13 @@ def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -
     # The stored state has no derivative (a bfloat16 one goes through a bit
     # cast; the C++ step takes constants): neither have the blocks' scales.
     scales = jax.lax.stop_gradient(_blocked(magnitudes).max(axis=1))
-    inverse = (1.0 / scales)[:, None]  # once per block: ratios are products
-    ratio = (_blocked(magnitudes) * inverse).reshape(-1)[: x.size]
+    # Once per block: ratios are products; above EIGHT_BIT_LARGEST_PLAIN_SCALE
+    # with the reciprocal of a quarter of the scale, which XLA would otherwise
+    # flush to 0 (a subnormal), then times 1/4.
+    large = scales > rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE
+    inverse = (jnp.where(large, jnp.float32(4), jnp.float32(1)) / scales)[:, None]
+    after = jnp.where(large, jnp.float32(0.25), jnp.float32(1))[:, None]
+    ratio = (_blocked(magnitudes) * inverse * after).reshape(-1)[: x.size]
     ratio = jnp.where(jnp.isnan(ratio) | (ratio < smallest), 0.0, ratio)  # 0 * inf: all zeros
     levels = jnp.asarray(_levels(signed))
     top = levels.size - 1
@@ -628,7 +678,7 @@ def scale_by_qhm(
     # Concrete scalars (one-element NumPy or JAX arrays) as the floats they hold;
     # traced values (jit, inject_hyperparams) stay arrays.
     momentum, nu = validation.as_float(momentum), validation.as_float(nu)
-    accumulator_dtype = _canonical_dtype(accumulator_dtype)
+    accumulator_dtype = _inexact_dtype(accumulator_dtype, "accumulator_dtype")
     state_dtype = _state_dtype(
         state_dtype, stochastic_rounding, accumulator_dtype=accumulator_dtype
     )
@@ -798,7 +848,7 @@ def scale_by_qhadam(
     )
     validation.check_bool(amsgrad, "amsgrad")
     b1, b2, nu1, nu2, eps = map(validation.as_float, (b1, b2, nu1, nu2, eps))
-    mu_dtype = _canonical_dtype(mu_dtype)
+    mu_dtype = _inexact_dtype(mu_dtype, "mu_dtype")
     state_dtype = _state_dtype(state_dtype, stochastic_rounding, mu_dtype=mu_dtype)
     state_name = None if state_dtype is None else jnp.dtype(state_dtype).name
     rounding.check_second_moment_dtype(state_name)
@@ -1251,7 +1301,7 @@ def scale_by_qhmuon(
         names={"momentum": "beta", "ns_coefficients": "ns_coeffs"},
     )  # fmt: skip
     beta, nu, eps = validation.as_float(beta), validation.as_float(nu), validation.as_float(eps)
-    mu_dtype, ns_dtype = _canonical_dtype(mu_dtype), _canonical_dtype(ns_dtype)
+    mu_dtype, ns_dtype = _inexact_dtype(mu_dtype, "mu_dtype"), _inexact_dtype(ns_dtype, "ns_dtype")
     state_dtype = _state_dtype(state_dtype, stochastic_rounding, mu_dtype=mu_dtype)
     stochastic = rounding.stochastic(
         None if state_dtype is None else jnp.dtype(state_dtype).name, stochastic_rounding

@@ -228,8 +228,10 @@ def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> No
         b = min(a + NOISE_VALUES, x.numel())
         noise = hash32(seed, start + a, start + b, x.device).to(torch.int32)
         # rounding.round_bits, in int32 (two's complement wraps as uint32 would)
-        bits = noise.add_(x[a:b].view(torch.int32)).bitwise_and_(-65536)  # src is not written
-        out[a:b].copy_(bits.view(torch.float32))
+        bits = noise.add_(x[a:b].view(torch.int32))  # src is not written
+        # The top half as the bfloat16's bits: a conversion of the float32
+        # would write its own NaN (0xFFFF where the rule keeps 0x7FC0).
+        out[a:b].view(torch.int16).copy_(bits.bitwise_right_shift_(16))
 
 
 def _cpu_kernel() -> Any:
@@ -339,7 +341,11 @@ def quantize_(
     padded = torch.nn.functional.pad(magnitudes, (0, blocks * BLOCK - n))
     scale = padded.view(blocks, BLOCK).amax(dim=1)
     stored.scales.copy_(scale)
-    ratio = magnitudes * (1.0 / scale).repeat_interleave(BLOCK)[:n]
+    # rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE: no subnormal reciprocal.
+    large = scale > rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE
+    inverse = torch.where(large, scale.new_tensor(4.0), scale.new_tensor(1.0)) / scale
+    after = torch.where(large, scale.new_tensor(0.25), scale.new_tensor(1.0))
+    ratio = magnitudes * inverse.repeat_interleave(BLOCK)[:n] * after.repeat_interleave(BLOCK)[:n]
     ratio = torch.nan_to_num(ratio, nan=0.0)  # 0 * inf in an all-zero block
     ratio = torch.where(ratio < smallest, 0.0, ratio)
     levels = eight_bit_levels(signed, x.device)

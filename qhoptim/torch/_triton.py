@@ -329,8 +329,13 @@ def _store_state(ptr, offs, mask, value, n, levels, seeds, t, k, SIGNED, NARROW,
         magnitude = tl.where(finite & (absolute >= 1.1754943508222875e-38) & mask, absolute, 0.0)
         rows = tl.reshape(magnitude, (BLOCK // 256, 256))
         scale = tl.max(rows, axis=1)
-        inverse = 1.0 / scale  # once per block: ratios are products
-        ratio = tl.reshape(rows * inverse[:, None], (BLOCK,))
+        # Once per block: ratios are products. Above 2**126 (rounding.
+        # EIGHT_BIT_LARGEST_PLAIN_SCALE) the reciprocal of a quarter of the
+        # scale, the product then times 1/4: no subnormal reciprocal.
+        large = scale > 8.507059173023462e37
+        inverse = tl.where(large, 4.0, 1.0) / scale
+        after = tl.where(large, 0.25, 1.0)
+        ratio = tl.reshape(rows * inverse[:, None] * after[:, None], (BLOCK,))
         ratio = tl.where((ratio != ratio) | (ratio < 1.1754943508222875e-38), 0.0, ratio)
         # The last level <= ratio: a guess from the float's exponent and the
         # top of its mantissa, then a step each way along the table (as the

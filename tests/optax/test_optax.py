@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -418,6 +420,28 @@ def test_state_survives_checkpoint_round_trip(name: str) -> None:
     params, state = _run(tx, x, steps=3)
     blob = serialization.to_bytes((params, state))
     restored_params, restored_state = serialization.from_bytes((x, tx.init(x)), blob)
+    a, _ = _run_from(tx, params, state, steps=4)
+    b, _ = _run_from(tx, restored_params, restored_state, steps=4)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: qho.qhm(0.1, momentum=0.9, nu=0.7, state_dtype=jnp.uint8),
+        lambda: qho.qhadam(0.05, nu1=0.7, nu2=0.9, state_dtype=jnp.uint8),
+    ],
+    ids=["qhm", "qhadam"],
+)
+def test_an_8_bit_state_survives_a_flax_checkpoint(make: Any) -> None:
+    from flax import serialization
+
+    tx = make()
+    x = jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)
+    params, state = _run(tx, x, steps=3)
+    blob = serialization.to_bytes((params, state))
+    restored_params, restored_state = serialization.from_bytes((x, tx.init(x)), blob)
+    jax.tree.map(np.testing.assert_array_equal, restored_state, state)
     a, _ = _run_from(tx, params, state, steps=4)
     b, _ = _run_from(tx, restored_params, restored_state, steps=4)
     np.testing.assert_array_equal(a, b)

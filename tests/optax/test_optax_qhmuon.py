@@ -138,6 +138,8 @@ def test_scale_by_qhmuon_state_and_matrices_only() -> None:
         ({"adam_eps_root": -1.0}, ValueError, r"adam_eps_root must be in \[0, inf\)"),
         ({"adam_weight_decay": -1.0}, ValueError, r"adam_weight_decay must be in \[0, inf\)"),
         ({"consistent_rms": -0.2}, ValueError, r"consistent_rms must be in \[0, inf\)"),
+        ({"ns_dtype": jnp.int32}, ValueError, "ns_dtype must be None or a floating-point dtype"),
+        ({"mu_dtype": jnp.int8}, ValueError, "mu_dtype must be None or a floating-point dtype"),
     ],
 )
 def test_bad_hyperparameters_are_named(

@@ -248,6 +248,8 @@ def test_both_roundings_are_the_rule_every_backend_follows(
         monkeypatch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
     monkeypatch.setattr(_state_dtype, "NOISE_VALUES", 1000)
     g = torch.randn(5000, generator=torch.Generator().manual_seed(5)) * 1e-3
+    # NaN's bits too: the rule's 0x7FC0, where a conversion wrote its own.
+    g[[10, 20, 30]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     seed = _state_dtype.rounding_seed(7, 4 * 3 + 1)
     whole = torch.empty_like(g, dtype=BF16)
     _state_dtype.stochastic_round_(whole, g, seed)
@@ -469,6 +471,9 @@ def test_the_8_bit_kernel_and_torch_operations_encode_the_same_bytes(
     x[620] = -float("inf") if signed else float("inf")
     x[700:720] *= 1e-12
     x[730] = 1e-40  # a subnormal ratio to its block's scale
+    # A block within a factor 4 of float32's overflow: the reciprocal of its
+    # scale would be subnormal (rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE).
+    x[768:1024] *= 3e38 / x[768:1024].abs().max()
     results = []
     for kernel in (True, False):
         with monkeypatch.context() as patch:
@@ -493,6 +498,16 @@ def test_the_8_bit_kernel_and_torch_operations_encode_the_same_bytes(
     k_scales = k_sr[: 4 * blocks].view(torch.float32).numpy()
     decoded = rounding.eight_bit_decode_reference(k_sr[4 * blocks :].numpy(), k_scales, signed)
     assert np.array_equal(np.nan_to_num(decoded, nan=7.0), k_out.nan_to_num(7.0).numpy())
+    # The large block reads back as itself (within a level), not as zeros, and
+    # its bytes do not depend on a flush-to-zero mode.
+    np.testing.assert_allclose(k_out[768:1024].numpy(), x[768:1024].numpy(), rtol=0.125)
+    flushing = torch.set_flush_denormal(True)
+    try:
+        packed = torch.zeros(_state_dtype.packed_numel(n), dtype=U8)
+        _state_dtype.quantize_(_state_dtype._Packed(packed, n, 0, n), x, signed, 21, True, 4096)
+    finally:
+        torch.set_flush_denormal(False)
+    assert not flushing or torch.equal(packed, k_sr)
     # A non-finite value keeps to its own coordinate: NaN (signed) or +inf
     # (unsigned, as a float32 second moment holds an overflow); the rest of its
     # block reads back finite, within a level of what was stored.

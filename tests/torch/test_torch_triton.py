@@ -346,6 +346,20 @@ def test_a_narrow_state_steps_in_the_kernel_and_rounds_by_the_rule(
                 assert np.array_equal(stored.cpu().contiguous().view(torch.uint8).numpy(), want)
 
 
+def test_an_8_bit_block_near_float32s_overflow_is_stored_by_the_rule() -> None:
+    # QHM with momentum 0 stores the gradient itself: a block whose scale is
+    # above 2**126 (its reciprocal subnormal, rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE)
+    # beside an ordinary one, encoded as the NumPy statement does.
+    g = torch.randn(512, generator=torch.Generator().manual_seed(5))
+    g[256:] *= 3e38 / g[256:].abs().max()
+    p = torch.nn.Parameter(torch.zeros(512, device=DEVICE))
+    opt = QHM([p], lr=0.0, momentum=0.0, nu=1.0, fused=True, state_dtype=torch.uint8)
+    p.grad = g.to(DEVICE)
+    opt.step()
+    stored = opt.state[p]["momentum_buffer"].cpu().contiguous().view(torch.uint8).numpy()
+    assert np.array_equal(stored, _stored_by_the_rule(g, torch.uint8, True, 1, 0))
+
+
 def _nvidia_backend() -> bool:
     try:
         import triton.backends.nvidia  # noqa: F401
