@@ -28,6 +28,11 @@ Slots = dict[str, Any]
 _WRAP = 2.0**32
 
 
+def is_number(value: Any) -> bool:
+    """A Python number (folded into the step as a constant); not a variable or tensor."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def scalar_input(value: Any, dtype: Any) -> Any:
     """A learning rate (or step count) as the step's input.
 
@@ -36,14 +41,9 @@ def scalar_input(value: Any, dtype: Any) -> Any:
     and tensors pass through and are cast inside the step, as Keras's own
     optimizers cast their float32 learning-rate variable.
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if is_number(value):
         return ops.convert_to_tensor(float(value), dtype=dtype)
     return value
-
-
-def is_number(value: Any) -> bool:
-    """A Python number (folded into the step as a constant); not a variable or tensor."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 #: The prefix of a hyperparameter's name among a step's inputs
