@@ -544,17 +544,21 @@ class QHOptimizer(NarrowStateOptimizer):
             param_group = as_numbers(param_group)
         super().add_param_group(param_group)
 
-    def _gather(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
-        """The group's params with a gradient, and their grads, checked: a
-        sparse gradient, or a parameter a fused step cannot take, raises here,
-        before any group has moved (``step`` gathers every group first, so that
-        a failing step changes nothing). Nothing is made: a new parameter's
-        state is made where its group steps."""
+    def _gather(
+        self, group: dict[str, Any]
+    ) -> tuple[list[Tensor], list[Tensor], list[dict[str, Any] | None]]:
+        """The group's params with a gradient, their grads and their states
+        (None for a parameter without one), checked: a sparse gradient, or a
+        parameter a fused step cannot take, raises here, before any group has
+        moved (``step`` gathers every group first, so that a failing step
+        changes nothing). Nothing is made: a new parameter's state is made
+        where its group steps."""
         # The step's host work is per parameter: each attribute read once, and
         # nothing read that no step uses (complex tensors are recognised per
         # tensor where they step, so the group's has_complex is not gathered).
         params: list[Tensor] = []
         grads: list[Tensor] = []
+        states: list[dict[str, Any] | None] = []
         state = self.state
         fused = group["fused"]
         for p in group["params"]:
@@ -563,14 +567,23 @@ class QHOptimizer(NarrowStateOptimizer):
                 continue
             if grad.is_sparse:
                 raise sparse_error(type(self).__name__)
-            if fused and not state.get(p):  # its first step: checked as torch checks it
+            p_state = state.get(p)
+            if fused and not p_state:  # its first step: checked as torch checks it
                 _fused.check_fused_device(p)
             params.append(p)
             grads.append(grad)
-        return params, grads
+            states.append(p_state)
+        return params, grads, states
 
-    def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
-        """Step ``params`` (the group's with a gradient, at least one) by ``grads``."""
+    def _step_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: list[dict[str, Any] | None],
+    ) -> None:
+        """Step ``params`` (the group's with a gradient, at least one) by ``grads``
+        (``states``: theirs, None where a state is still to be made)."""
         raise NotImplementedError
 
     def _setup_fused(self) -> None:
@@ -611,9 +624,9 @@ class QHOptimizer(NarrowStateOptimizer):
                 loss = closure()
         self._check_amp_scaling()
         gathered = [self._gather(group) for group in self.param_groups]
-        for group, (params, grads) in zip(self.param_groups, gathered, strict=True):
+        for group, (params, grads, states) in zip(self.param_groups, gathered, strict=True):
             if params:  # else a frozen group: no gradient, nothing to step
-                self._step_group(group, params, grads)
+                self._step_group(group, params, grads, states)
         return loss
 
     def _check_amp_scaling(self) -> None:

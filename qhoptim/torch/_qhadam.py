@@ -165,15 +165,17 @@ class QHAdam(QHOptimizer):
         self,
         group: dict[str, Any],
         params: list[Tensor],
+        states: list[dict[str, Any] | None],
         exp_avgs: list[Tensor],
         exp_avg_sqs: list[Tensor],
         max_exp_avg_sqs: list[Tensor],
         state_steps: list[Tensor],
     ) -> None:
-        state = self.state
-        states = [state[p] for p in params]
+        made = self.state
         amsgrad, differentiable = group["amsgrad"], group["differentiable"]
         for p, state in zip(params, states, strict=True):
+            if state is None:
+                state = made[p]
             if len(state) == 0:
                 # As torch's Adam: the step count lives on the CPU unless
                 # capturable or fused.
@@ -200,12 +202,18 @@ class QHAdam(QHOptimizer):
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             state_steps.append(state["step"])
 
-    def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _step_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: list[dict[str, Any] | None],
+    ) -> None:
         exp_avgs: list[Tensor] = []
         exp_avg_sqs: list[Tensor] = []
         max_exp_avg_sqs: list[Tensor] = []
         state_steps: list[Tensor] = []
-        self._init_group(group, params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+        self._init_group(group, params, states, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
         moments = [exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if group["amsgrad"] else [])]
         if group.get("state_dtype") is None:  # the common case, at the least host work
             self._qhadam(group, params, grads, moments, state_steps, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -129,22 +129,29 @@ class QHM(MomentumBufferState, QHOptimizer):
         self,
         group: dict[str, Any],
         params: list[Tensor],
+        states: list[dict[str, Any] | None],
         momentum_buffers: list[Tensor],
     ) -> None:
         """Append the buffers of ``params``, made where new."""
-        state = self.state
-        states = [state[p] for p in params]
         if all(states) and (group["state_dtype"] is None or all(map(_HAS_STEP, states))):
             # The common case, every state made (a narrow one's step count
             # too): taken at C speed, since the step's host work is per parameter.
-            momentum_buffers.extend(map(_MOMENTUM_BUFFER, states))
+            momentum_buffers.extend(map(_MOMENTUM_BUFFER, cast(list[dict[str, Any]], states)))
             return
+        made = self.state
         for p, state in zip(params, states, strict=True):
+            state = made[p] if state is None else state
             momentum_buffers.append(self._momentum_buffer(group, p, state))
 
-    def _step_group(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
+    def _step_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: list[dict[str, Any] | None],
+    ) -> None:
         momentum_buffers: list[Tensor] = []
-        self._init_group(group, params, momentum_buffers)
+        self._init_group(group, params, states, momentum_buffers)
         if group.get("state_dtype") is None:  # the common case, at the least host work
             self._qhm(group, params, grads, momentum_buffers, None)
             return

@@ -417,7 +417,7 @@ def test_step_runs_with_grad_only_when_differentiable() -> None:
     seen = []
 
     class Probe(qhoptim.torch.QHM):
-        def _step_group(self, group: dict[str, object], params: object, grads: object) -> None:
+        def _step_group(self, group: dict[str, object], *lists: object) -> None:
             seen.append(torch.is_grad_enabled())
 
     p = torch.nn.Parameter(torch.zeros(2))
