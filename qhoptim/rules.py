@@ -591,7 +591,7 @@ class MatrixOps(NamedTuple):
     (torch's ``addmm``: one rounding in a narrow dtype), ``norm`` the Frobenius
     norm and ``clamp_min(x, low)`` the larger of ``x`` and ``low``.
     ``repeat(n, f, x)``, where given, is ``f`` applied ``n`` times to ``x``
-    for a count that may be traced (JAX's ``fori_loop``); else a Python loop.
+    for a count that is not a Python int (a traced one: JAX's ``fori_loop``).
     """
 
     matmul: Callable[[Array, Array], Array]
@@ -648,7 +648,7 @@ def newton_schulz(
         polynomial = ops.matmul_add(gram, gram, gram, b, c)
         return ops.matmul_add(x, polynomial, x, a, 1)
 
-    if ops.repeat is None:
+    if ops.repeat is None or isinstance(steps, int):
         for _ in range(steps):
             x = iteration(x)
     else:

@@ -75,6 +75,11 @@ def _is_jax_tracer(value: object) -> bool:
     return isinstance(tracer, type) and isinstance(value, tracer)
 
 
+def _may_change(value: object) -> bool:
+    """A variable (it has ``assign``) or a traced value: its number is not known here."""
+    return hasattr(value, "assign") or _is_jax_tracer(value)
+
+
 def _scalar_of(value: object) -> object:
     """The Python scalar of a concrete one-element array or tensor (any framework).
 
@@ -84,7 +89,7 @@ def _scalar_of(value: object) -> object:
     (a symbolic TensorFlow tensor, a torch meta or fake tensor). Duck-typed,
     so that no framework is imported.
     """
-    if hasattr(value, "assign") or _is_jax_tracer(value):
+    if _may_change(value):
         return _DEFERRED
     try:
         dims: list[int] = [int(d) for d in value.shape]  # type: ignore[attr-defined]
@@ -128,11 +133,7 @@ def _elements_of(value: object, name: str) -> list[float]:
     as it is -- an optax hyperparameter may be one, broadcast against its
     leaf -- but every element in range, so that ``momentum=[0.5, 1.5]`` is
     refused where it would have stepped."""
-    if (
-        hasattr(value, "assign")
-        or _is_jax_tracer(value)
-        or not (hasattr(value, "shape") and hasattr(value, "dtype"))
-    ):
+    if _may_change(value) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
         return []
     try:
         listed = value.tolist() if hasattr(value, "tolist") else value.numpy().tolist()  # type: ignore[attr-defined]

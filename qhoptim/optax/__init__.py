@@ -1220,12 +1220,9 @@ def _matmul_add(c: jax.Array, a: jax.Array, b: jax.Array, beta: Any, alpha: Any)
 # Newton-Schulz as ``optax.contrib.muon`` runs it (its default "frobenius"
 # preconditioning: the norm plus eps).
 def _repeat(count: Any, f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-    """``f`` applied ``count`` times: unrolled for a Python int, else a
-    ``fori_loop`` (``ns_steps`` under ``optax.inject_hyperparams`` is an array)."""
-    if isinstance(count, int):
-        for _ in range(count):
-            x = f(x)
-        return x
+    """``f`` applied ``count`` times by a ``fori_loop``: ``ns_steps`` under
+    ``optax.inject_hyperparams`` is an array (a Python int unrolls in
+    :func:`qhoptim.rules.newton_schulz`)."""
     looped: jax.Array = jax.lax.fori_loop(0, count, lambda _, y: f(y), x)
     return looped
 

@@ -16,7 +16,7 @@ import itertools
 import operator
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypedDict, TypeVar, cast
+from typing import Any, NamedTuple, TypedDict, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -204,6 +204,16 @@ def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
 
 def sparse_error(optimizer: str) -> RuntimeError:
     return RuntimeError(f"{optimizer} does not support sparse gradients")
+
+
+class Gathered(NamedTuple):
+    """A param group's parameters with a gradient, their grads and their states
+    (None where a state is still to be made): what ``step`` checks in every
+    group before any steps (:meth:`QHOptimizer._gather`)."""
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: list[dict[str, Any] | None]
 
 
 class AmpTensors(TypedDict):
@@ -544,15 +554,12 @@ class QHOptimizer(NarrowStateOptimizer):
             param_group = as_numbers(param_group)
         super().add_param_group(param_group)
 
-    def _gather(
-        self, group: dict[str, Any]
-    ) -> tuple[list[Tensor], list[Tensor], list[dict[str, Any] | None]]:
-        """The group's params with a gradient, their grads and their states
-        (None for a parameter without one), checked: a sparse gradient, or a
-        parameter a fused step cannot take, raises here, before any group has
-        moved (``step`` gathers every group first, so that a failing step
-        changes nothing). Nothing is made: a new parameter's state is made
-        where its group steps."""
+    def _gather(self, group: dict[str, Any]) -> Gathered:
+        """The group's params with a gradient, their grads and their states,
+        checked: a sparse gradient, or a parameter a fused step cannot take,
+        raises here, before any group has moved (``step`` gathers every group
+        first, so that a failing step changes nothing). Nothing is made: a new
+        parameter's state is made where its group steps."""
         # The step's host work is per parameter: each attribute read once, and
         # nothing read that no step uses (complex tensors are recognised per
         # tensor where they step, so the group's has_complex is not gathered).
@@ -573,17 +580,10 @@ class QHOptimizer(NarrowStateOptimizer):
             params.append(p)
             grads.append(grad)
             states.append(p_state)
-        return params, grads, states
+        return Gathered(params, grads, states)
 
-    def _step_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        states: list[dict[str, Any] | None],
-    ) -> None:
-        """Step ``params`` (the group's with a gradient, at least one) by ``grads``
-        (``states``: theirs, None where a state is still to be made)."""
+    def _step_group(self, group: dict[str, Any], gathered: Gathered) -> None:
+        """Step the group's ``gathered`` parameters (at least one) by their grads."""
         raise NotImplementedError
 
     def _setup_fused(self) -> None:
@@ -624,9 +624,9 @@ class QHOptimizer(NarrowStateOptimizer):
                 loss = closure()
         self._check_amp_scaling()
         gathered = [self._gather(group) for group in self.param_groups]
-        for group, (params, grads, states) in zip(self.param_groups, gathered, strict=True):
-            if params:  # else a frozen group: no gradient, nothing to step
-                self._step_group(group, params, grads, states)
+        for group, group_gathered in zip(self.param_groups, gathered, strict=True):
+            if group_gathered.params:  # else a frozen group: no gradient, nothing to step
+                self._step_group(group, group_gathered)
         return loss
 
     def _check_amp_scaling(self) -> None:

@@ -13,6 +13,7 @@ from torch.optim.optimizer import ParamsT
 from qhoptim import convert, rounding, rules, validation
 from qhoptim.torch import _fused, _kernels, _state_dtype, _tensors
 from qhoptim.torch._optimizer import (
+    Gathered,
     QHOptimizer,
     capturable_doc,
     differentiable_doc,
@@ -202,13 +203,8 @@ class QHAdam(QHOptimizer):
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             state_steps.append(state["step"])
 
-    def _step_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        states: list[dict[str, Any] | None],
-    ) -> None:
+    def _step_group(self, group: dict[str, Any], gathered: Gathered) -> None:
+        params, grads, states = gathered
         exp_avgs: list[Tensor] = []
         exp_avg_sqs: list[Tensor] = []
         max_exp_avg_sqs: list[Tensor] = []

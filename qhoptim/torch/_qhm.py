@@ -14,6 +14,7 @@ from torch.optim.optimizer import ParamsT
 from qhoptim import convert, validation
 from qhoptim.torch import _fused, _kernels, _state_dtype, _tensors
 from qhoptim.torch._optimizer import (
+    Gathered,
     MomentumBufferState,
     QHOptimizer,
     capturable_doc,
@@ -143,13 +144,8 @@ class QHM(MomentumBufferState, QHOptimizer):
             state = made[p] if state is None else state
             momentum_buffers.append(self._momentum_buffer(group, p, state))
 
-    def _step_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        states: list[dict[str, Any] | None],
-    ) -> None:
+    def _step_group(self, group: dict[str, Any], gathered: Gathered) -> None:
+        params, grads, states = gathered
         momentum_buffers: list[Tensor] = []
         self._init_group(group, params, states, momentum_buffers)
         if group.get("state_dtype") is None:  # the common case, at the least host work
