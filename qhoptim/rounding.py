@@ -49,6 +49,7 @@ from qhoptim import validation
 __all__ = [
     "EIGHT_BIT",
     "EIGHT_BIT_NON_FINITE",
+    "EIGHT_BIT_RUNG_SHIFT",
     "EIGHT_BIT_SMALLEST",
     "PYTHON",
     "STATE_DTYPES",
@@ -62,7 +63,10 @@ __all__ = [
     "eight_bit_code",
     "eight_bit_decode_reference",
     "eight_bit_encode_reference",
+    "eight_bit_level_bits",
     "eight_bit_levels",
+    "eight_bit_levels_around",
+    "eight_bit_rung_offset",
     "eight_bit_value",
     "index_spread",
     "mix32",
@@ -261,6 +265,56 @@ def eight_bit_levels(signed: bool) -> list[float]:
     return [0.0] + [math.ldexp(1.0 + (k - top) % n / n, (k - top) // n) for k in range(1, top + 1)]
 
 
+#: A level ``k >= 1`` of :func:`eight_bit_levels` is the float32 whose bits
+#: are its *rung* ``k + eight_bit_rung_offset(signed)`` shifted left by this:
+#: the exponent field and the mantissa's top three bits, the mantissa's other
+#: bits 0 (each level's mantissa has three bits).
+EIGHT_BIT_RUNG_SHIFT = 23 - 3
+
+
+def eight_bit_rung_offset(signed: bool) -> int:
+    """The rung (:data:`EIGHT_BIT_RUNG_SHIFT`) of a code's level less the code:
+    the top level (``1.0``, code 127 or 255) is rung ``8 * 127``."""
+    return EIGHT_BIT_PER_OCTAVE * 127 - (127 if signed else 255)
+
+
+def eight_bit_level_bits(k: Any, signed: bool) -> Any:
+    """The float32 bits of level ``k >= 1`` of :func:`eight_bit_levels` (Python
+    ints or any backend's int32 arrays): the table's value without reading a
+    table, which an accelerator's or a sharded array's gather would cost."""
+    return (k + eight_bit_rung_offset(signed)) << EIGHT_BIT_RUNG_SHIFT
+
+
+def eight_bit_levels_around(
+    ratio_bits: Any, signed: bool, where: Callable[[Any, Any, Any], Any]
+) -> tuple[Any, Any, Any]:
+    """The levels around each ratio, from its float32 bits: ``(low, below_bits,
+    above_bits)``, the index of the level ``below <= ratio < above`` and the
+    two levels' bits -- what :func:`eight_bit_encode_reference`'s search of
+    the table finds (its last pair at most), as integer arithmetic on any
+    backend's int32 arrays (``where``: its select). ``ratio_bits`` are those
+    of 0 or of a normal non-negative ratio, as the rule reads ratios.
+
+    A ratio's rung (its bits shifted right by :data:`EIGHT_BIT_RUNG_SHIFT`)
+    is that of the level below it, whose bits are the ratio's with the bits
+    under the rung cleared; the level above is one rung further up. Below the
+    first level (0 included) the pair is 0 and the first level; at or above
+    the top, the last pair."""
+    top = 127 if signed else 255
+    one_rung = 1 << EIGHT_BIT_RUNG_SHIFT
+    rung_bits = ratio_bits & ~(one_rung - 1)
+    low = (ratio_bits >> EIGHT_BIT_RUNG_SHIFT) - eight_bit_rung_offset(signed)
+    under = low < 1
+    over = low > top - 1
+    below_bits = where(under, 0, where(over, eight_bit_level_bits(top - 1, signed), rung_bits))
+    above_bits = where(
+        under,
+        eight_bit_level_bits(1, signed),
+        where(over, eight_bit_level_bits(top, signed), rung_bits + one_rung),
+    )
+    return where(under, 0, where(over, top - 1, low)), below_bits, above_bits
+
+
 def stochastic(state_dtype: str | None, stochastic_rounding: bool | None) -> bool:
     """Whether a state stored in ``state_dtype`` is written back stochastically:
     ``stochastic_rounding=None`` means yes for bfloat16 and the 8-bit state
@@ -434,25 +488,26 @@ def eight_bit_decode_reference(codes: Any, scales: Any, signed: bool) -> Any:
     c = np.asarray(codes).reshape(-1).astype(np.int64)
     levels = np.asarray(eight_bit_levels(signed), np.float32)
     per_value = np.repeat(np.asarray(scales, np.float32), EIGHT_BIT_BLOCK)[: c.size]
-    value = eight_bit_value(c, levels, signed, lambda m: m * per_value, np.where)
+    value = eight_bit_value(c, levels.__getitem__, signed, lambda m: m * per_value, np.where)
     return value.astype(np.float32)
 
 
 def eight_bit_value(
     codes: Any,
-    levels: Any,
+    level_of: Callable[[Any], Any],
     signed: bool,
     scaled: Callable[[Any], Any],
     where: Callable[[Any, Any, Any], Any],
 ) -> Any:
-    """The values an 8-bit state's integer ``codes`` stand for: the level of
-    ``levels`` (the :func:`eight_bit_levels` table as the backend's array)
+    """The values an 8-bit state's integer ``codes`` stand for: the level
+    (``level_of`` each code's magnitude: the :func:`eight_bit_levels` table's
+    entry, by the backend's lookup or from :func:`eight_bit_level_bits`)
     a code names, negated where bit 7 is set in a ``signed`` state, times its
     block's scale (``scaled``: the backend's product of the magnitudes with
     their blocks' scales); the non-finite code reads back as NaN (signed) or
     +inf (unsigned). Written once for the arrays of any backend, as
     :func:`eight_bit_code` is."""
-    magnitude = levels[codes & 127 if signed else codes]
+    magnitude = level_of(codes & 127 if signed else codes)
     if signed:
         magnitude = where(codes >= 128, -magnitude, magnitude)
     special = math.nan if signed else math.inf

@@ -141,6 +141,39 @@ def test_8_bit_levels_are_floats_of_three_mantissa_bits(signed: bool) -> None:
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_8_bit_levels_read_off_a_ratio_s_bits_are_the_table_s(signed: bool) -> None:
+    # eight_bit_levels_around's arithmetic against the reference's search of
+    # the table: every level, its float32 neighbours, the midpoints, 0, the
+    # smallest normal, 1 and just past it, and random ratios over all the
+    # octaves (the rule's ratios: 0 or normal, non-negative).
+    levels = np.asarray(rounding.eight_bit_levels(signed), np.float32)
+    top = levels.size - 1
+    ks = np.arange(1, top + 1)
+    assert np.array_equal(
+        rounding.eight_bit_level_bits(ks, signed), levels[1:].view(np.int32).astype(np.int64)
+    )
+    rng = np.random.default_rng(3)
+    normal = levels[1:]
+    ratios = np.concatenate(
+        [
+            levels,
+            np.nextafter(normal, np.float32(0)),
+            np.nextafter(normal, np.float32(2)),
+            (levels[:-1] + levels[1:]) / 2,
+            np.float32([0, rounding.EIGHT_BIT_SMALLEST, 1e-30, 1.0, np.nextafter(1, 2)]),
+            np.exp2(rng.uniform(-40, 0.01, 100_000)).astype(np.float32),
+        ]
+    ).astype(np.float32)
+    low, below, above = rounding.eight_bit_levels_around(
+        ratios.view(np.int32).astype(np.int64), signed, np.where
+    )
+    want = np.clip(np.searchsorted(levels, ratios, side="right") - 1, 0, top - 1)
+    assert np.array_equal(low, want)
+    assert np.array_equal(np.asarray(below).astype(np.int32).view(np.float32), levels[want])
+    assert np.array_equal(np.asarray(above).astype(np.int32).view(np.float32), levels[want + 1])
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_8_bit_encoding_is_unbiased_between_two_neighbouring_levels(signed: bool) -> None:
     # 255 copies of 0.3 per block of scale 1: each is stored as one of the two
     # levels around it, on average itself (6 standard errors of a step of at

@@ -352,6 +352,10 @@ def _levels(signed: bool) -> np.ndarray:
     return np.asarray(rounding.eight_bit_levels(signed), np.float32)
 
 
+def _as_float32(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _blocked(x: jax.Array) -> jax.Array:
     """``x`` flattened, padded with zeros to whole blocks, one row per block."""
     flat = x.reshape(-1)
@@ -361,22 +365,101 @@ def _blocked(x: jax.Array) -> jax.Array:
     return rows
 
 
+def _explicit_axes(x: jax.Array) -> tuple[Any, Any] | None:
+    """The (abstract) mesh and partition spec of ``x`` where it is split over
+    a mesh's *explicit* axes (``jax.make_mesh``'s default in newer JAX), whose
+    sharding every operation must type; None otherwise."""
+    typeof = getattr(jax, "typeof", None)
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if typeof is None or axis_type is None or not hasattr(jax.sharding, "auto_axes"):
+        return None  # a JAX without explicit axes
+    sharding = getattr(typeof(x), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None or all(axes is None for axes in spec):
+        return None
+    if axis_type.Explicit not in tuple(getattr(mesh, "axis_types", ())):
+        return None
+    return mesh, spec
+
+
+def _block_spec(mesh: Any, spec: Any, shape: tuple[int, ...]) -> Any:
+    """How an 8-bit state's block scales are split, for a value of ``shape``
+    split by ``spec``: as the value's first axis where each of its parts is
+    whole blocks of the flattened value; otherwise on every device."""
+    P: Any = jax.sharding.PartitionSpec
+    first = spec[0] if len(spec) else None
+    if first is None or any(axes is not None for axes in spec[1:]):
+        return P()
+    parts = math.prod(mesh.shape[a] for a in ((first,) if isinstance(first, str) else first))
+    size = math.prod(shape)
+    return P(first) if size % (parts * rounding.EIGHT_BIT_BLOCK) == 0 else P()
+
+
+def _on_auto_axes(f: Callable[..., Any], out_specs: Callable[..., Any], *arrays: jax.Array) -> Any:
+    """``f(*arrays)``; where the first is split over explicit mesh axes, with
+    the mesh's axes automatic inside ``f`` (its results split by
+    ``out_specs(mesh, spec)``, the first array's): an 8-bit state's blocks
+    run across the parts of a split array, and a flattened array's reshape
+    into blocks has no sharding of its own there. ``f`` takes every array it
+    reads as an argument."""
+    explicit = _explicit_axes(arrays[0])
+    if explicit is None:
+        return f(*arrays)
+    mesh, spec = explicit
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(f, out_sharding=out_specs(mesh, spec))(*arrays)
+
+
 def _decode(stored: EightBitArray) -> jax.Array:
+    """:func:`_decode_here` of ``stored``, on a mesh of explicit axes too."""
+
+    def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
+        return _decode_here(EightBitArray(codes, scales, stored.signed))
+
+    def out_spec(mesh: Any, spec: Any) -> Any:
+        return spec
+
+    return _on_auto_axes(decode, out_spec, stored.codes, stored.scales)  # type: ignore[no-any-return]
+
+
+def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -> EightBitArray:
+    """:func:`_encode_here` of ``value``, on a mesh of explicit axes too."""
+
+    def encode(value: jax.Array, seed: jax.Array) -> tuple[jax.Array, jax.Array]:
+        stored = _encode_here(value, signed, seed, stochastic)
+        return stored.codes, stored.scales
+
+    def out_specs(mesh: Any, spec: Any) -> tuple[Any, Any]:
+        return spec, _block_spec(mesh, spec, value.shape)
+
+    codes, scales = _on_auto_axes(encode, out_specs, value, seed)
+    return EightBitArray(codes, scales, signed)
+
+
+def _decode_here(stored: EightBitArray) -> jax.Array:
     """The float32 values an 8-bit state stands for
-    (:func:`qhoptim.rounding.eight_bit_decode_reference`)."""
+    (:func:`qhoptim.rounding.eight_bit_decode_reference`). Each level is made
+    from its code's bits (:func:`qhoptim.rounding.eight_bit_level_bits`), not
+    read from a table: XLA fuses that arithmetic into the step, and a gather
+    of a replicated table by a sharded index fails on a mesh of explicit axes."""
     codes = stored.codes.astype(jnp.int32)
-    levels = jnp.asarray(_levels(stored.signed))
+
+    def level_of(k: jax.Array) -> jax.Array:
+        level = _as_float32(rounding.eight_bit_level_bits(k, stored.signed))
+        return jnp.where(k == 0, jnp.float32(0), level)
 
     def scaled(magnitude: jax.Array) -> jax.Array:
         rows = _blocked(magnitude) * stored.scales[:, None]
         value: jax.Array = rows.reshape(-1)[: codes.size].reshape(codes.shape)
         return value
 
-    value: jax.Array = rounding.eight_bit_value(codes, levels, stored.signed, scaled, jnp.where)
+    value: jax.Array = rounding.eight_bit_value(codes, level_of, stored.signed, scaled, jnp.where)
     return value
 
 
-def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -> EightBitArray:
+def _encode_here(
+    value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool
+) -> EightBitArray:
     """``value`` in 8 bits (:func:`qhoptim.rounding.eight_bit_encode_reference`):
     each block's scale its largest finite magnitude, each value one of the two
     levels around it, chosen by the noise of ``seed`` (or to nearest); NaN and
@@ -397,26 +480,16 @@ def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -
     after = jnp.where(large, jnp.float32(0.25), jnp.float32(1))[:, None]
     ratio = (_blocked(magnitudes) * inverse * after).reshape(-1)[: x.size]
     ratio = jnp.where(jnp.isnan(ratio) | (ratio < smallest), 0.0, ratio)  # 0 * inf: all zeros
-    levels = jnp.asarray(_levels(signed))
-    top = levels.size - 1
-    # The last level <= ratio, as a search of the table finds it: a first guess
-    # of 8 * log2(ratio) from the float's exponent and the top of its mantissa
-    # (at most a level below the truth, as log2(1 + f) >= f; or one above,
-    # where a level's float32 rounding lies past the ratio), then one step
-    # each way -- two gathers, where XLA's searchsorted takes ~30x as long.
-    bits = jax.lax.bitcast_convert_type(ratio, jnp.int32)
-    per_octave = rounding.EIGHT_BIT_PER_OCTAVE
-    mantissa = ((bits & 0x7FFFFF) * per_octave) >> 23
-    guess = jnp.clip(top + per_octave * ((bits >> 23) - 127) + mantissa, 1, top - 1)
-    low = guess - (levels[guess] > ratio) + (levels[guess + 1] <= ratio)
-    low = jnp.minimum(low, top - 1)
-    below, above = levels[low], levels[low + 1]
+    # The levels around each ratio from its bits, with no table (see _decode).
+    low, below, above = rounding.eight_bit_levels_around(
+        jax.lax.bitcast_convert_type(ratio, jnp.int32), signed, jnp.where
+    )
     if stochastic:
         threshold = _noise16(x.shape, seed).astype(jnp.float32) * 2.0**-16
     else:
         threshold = jnp.float32(0.5)
     code = rounding.eight_bit_code(
-        x, finite, ratio, low, below, above, threshold, signed, jnp.where
+        x, finite, ratio, low, _as_float32(below), _as_float32(above), threshold, signed, jnp.where
     )
     return EightBitArray(code.astype(jnp.uint8).reshape(value.shape), scales, signed)
 

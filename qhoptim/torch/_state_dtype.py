@@ -298,15 +298,28 @@ def eight_bit_levels(signed: bool, device: torch.device) -> Tensor:
 
 def dequantize_(out: Tensor, stored: _Packed, signed: bool) -> None:
     """``out`` (flat, float) <- the values ``stored`` stands for."""
-    levels = eight_bit_levels(signed, out.device)
     kernel = _cpu_kernel() if out.device.type == "cpu" and out.dtype == torch.float32 else None
     if kernel is not None and out.is_contiguous():  # one pass, in C++
+        levels = eight_bit_levels(signed, out.device)
         kernel.dequantize8_(out.view(-1), stored.codes, stored.scales, levels, signed)
         return
     per_value = stored.scales.repeat_interleave(BLOCK)[: out.numel()]
-    codes = stored.codes.to(torch.int64)
-    value = rounding.eight_bit_value(codes, levels, signed, per_value.mul, torch.where)
+    value = rounding.eight_bit_value(
+        stored.codes.to(torch.int32),
+        functools.partial(_level, signed),
+        signed,
+        per_value.mul,
+        torch.where,
+    )
     out.view(-1).copy_(value)
+
+
+def _level(signed: bool, k: Tensor) -> Tensor:
+    """The levels of codes ``k`` (int32) from their bits, no table read
+    (:func:`qhoptim.rounding.eight_bit_level_bits`): an element-wise kernel
+    where a gather would take one of its own."""
+    level = rounding.eight_bit_level_bits(k, signed).view(torch.float32)
+    return torch.where(k == 0, 0.0, level)
 
 
 def quantize_(
@@ -348,9 +361,11 @@ def quantize_(
     ratio = magnitudes * inverse.repeat_interleave(BLOCK)[:n] * after.repeat_interleave(BLOCK)[:n]
     ratio = torch.nan_to_num(ratio, nan=0.0)  # 0 * inf in an all-zero block
     ratio = torch.where(ratio < smallest, 0.0, ratio)
-    levels = eight_bit_levels(signed, x.device)
-    low = (torch.bucketize(ratio, levels, right=True) - 1).clamp_(0, levels.numel() - 2)
-    below, above = levels[low], levels[low + 1]
+    # The levels around each ratio from its bits, no table (see _level).
+    low, below, above = rounding.eight_bit_levels_around(
+        ratio.view(torch.int32), signed, torch.where
+    )
+    below, above = below.view(torch.float32), above.view(torch.float32)
     if stochastic:
         threshold = hash32(seed, start, start + n, x.device).to(torch.float32) * 2.0**-16
     else:
