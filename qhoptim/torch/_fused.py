@@ -266,7 +266,7 @@ def fused_qhm(
                 _triton().qhm_(
                     ps, gs, bufs, hp, grad_scale=grad_scale, found_inf=found_inf,
                     seeds=None if state_seeds is None else seeds,
-                    levels=None if state_seeds is None else _device_ladders(bufs, device),
+                    eight_bit=_eight_bit(bufs),
                     whole=_whole(state_seeds, indices, params, contiguous),
                 )  # fmt: skip
                 continue
@@ -288,14 +288,6 @@ _NO_SEEDS = torch.empty(0, dtype=torch.int64)
 def _eight_bit(states: list[Tensor]) -> bool:
     """Whether a state list is 8-bit (:func:`qhoptim.torch._state_dtype.eight_bit`)."""
     return bool(states) and _state_dtype.eight_bit(states[0].dtype)
-
-
-def _device_ladders(states: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """The Triton kernels' level tables (signed, unsigned) on ``device`` for an
-    8-bit state list, else None."""
-    if not _eight_bit(states):
-        return None
-    return _state_dtype.eight_bit_levels(True, device), _state_dtype.eight_bit_levels(False, device)
 
 
 def _ladders(signed: tuple[bool, ...]) -> tuple[Any, ...]:
@@ -492,7 +484,7 @@ def _qhadam_numbers_(
         _triton().qhadam_(
             ps, gs, ms, ss, vs[0] if vs else None, steps, hp, grad_scale=grad_scale,
             found_inf=None, seeds=seeds if cast(Tensor, seeds).numel() else None,
-            levels=_device_ladders(ms, device), layout=layout, whole=whole,
+            eight_bit=_eight_bit(ms), layout=layout, whole=whole,
         )  # fmt: skip
         return
     lr = float(hp.lr)

@@ -282,11 +282,21 @@ def _eight_bit_parts(ptr, n):
 
 
 @triton.jit
-def _load_state(ptr, offs, mask, n, levels, SIGNED, NARROW, COMPUTE):
+def _level_bits(k, SIGNED):
+    """The float32 bits of the 8-bit ladder's level ``k >= 1``
+    (qhoptim.rounding.eight_bit_level_bits): its rung, an exponent and the
+    mantissa's top three bits, ``k`` rungs above that of code 0."""
+    OFFSET: tl.constexpr = 8 * 127 - (127 if SIGNED else 255)  # rounding.eight_bit_rung_offset
+    return (k + OFFSET) << 20  # rounding.EIGHT_BIT_RUNG_SHIFT
+
+
+@triton.jit
+def _load_state(ptr, offs, mask, n, SIGNED, NARROW, COMPUTE):
     """A state as the step computes with it: a bfloat16 state's bits widened
     exactly to float32; an 8-bit state's codes decoded (level times scale,
     bit 7 the sign of a ``SIGNED`` state, the non-finite code NaN or +inf:
-    qhoptim.rounding.eight_bit_decode_reference)."""
+    qhoptim.rounding.eight_bit_decode_reference), each level made from its
+    code's bits rather than read from a table (a load per value)."""
     if NARROW == 1:
         bits = tl.load(ptr + offs, mask=mask).to(tl.uint32) << 16
         return bits.to(tl.float32, bitcast=True).to(COMPUTE)
@@ -294,13 +304,14 @@ def _load_state(ptr, offs, mask, n, levels, SIGNED, NARROW, COMPUTE):
         scales, codes = _eight_bit_parts(ptr, n)
         code = tl.load(codes + offs, mask=mask, other=0).to(tl.int32)
         scale = tl.load(scales + offs // 256, mask=mask, other=0.0)
+        k = code & 127 if SIGNED else code
+        level = _level_bits(k, SIGNED).to(tl.float32, bitcast=True)
+        value = tl.where(k == 0, 0.0, level) * scale
         if SIGNED:
-            value = tl.load(levels + (code & 127)) * scale
             value = tl.where(code > 128, -value, value)
             nan = tl.full((), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
             value = tl.where(code == 128, nan, value)
         else:
-            value = tl.load(levels + code) * scale
             inf = tl.full((), 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
             value = tl.where(code == 1, inf, value)
         return value.to(COMPUTE)
@@ -308,8 +319,7 @@ def _load_state(ptr, offs, mask, n, levels, SIGNED, NARROW, COMPUTE):
 
 
 @triton.jit
-def _store_state(ptr, offs, mask, value, n, levels, seeds, t, k, SIGNED, NARROW, DTYPE,
-                 BLOCK):  # fmt: skip
+def _store_state(ptr, offs, mask, value, n, seeds, t, k, SIGNED, NARROW, DTYPE, BLOCK):
     """Store a state's new ``value``, rounded by qhoptim.rounding's rule with
     the noise of state ``k`` of tensor ``t`` -- the bits the CPU kernel and
     every backend store: bfloat16 (``NARROW`` 1), the noise added to the
@@ -337,18 +347,25 @@ def _store_state(ptr, offs, mask, value, n, levels, seeds, t, k, SIGNED, NARROW,
         after = tl.where(large, 0.25, 1.0)
         ratio = tl.reshape(rows * inverse[:, None] * after[:, None], (BLOCK,))
         ratio = tl.where((ratio != ratio) | (ratio < 1.1754943508222875e-38), 0.0, ratio)
-        # The last level <= ratio: a guess from the float's exponent and the
-        # top of its mantissa, then a step each way along the table (as the
-        # CPU kernel finds it).
+        # The levels around the ratio from its bits, no table read
+        # (rounding.eight_bit_levels_around): its rung is the level below's;
+        # below the first level, 0 and the first; from the top, the last pair.
         TOP: tl.constexpr = 127 if SIGNED else 255  # the ladder's top code
+        OFFSET: tl.constexpr = 8 * 127 - TOP  # rounding.eight_bit_rung_offset
         bits = ratio.to(tl.int32, bitcast=True)
-        guess = TOP + 8 * ((bits >> 23) - 127) + (((bits & 0x7FFFFF) * 8) >> 23)
-        low = tl.minimum(tl.maximum(guess, 1), TOP - 1)
-        low = low - (tl.load(levels + low) > ratio).to(tl.int32)
-        low = low + (tl.load(levels + low + 1) <= ratio).to(tl.int32)
-        low = tl.minimum(low, TOP - 1)
-        below = tl.load(levels + low)
-        above = tl.load(levels + low + 1)
+        rung = bits & -(1 << 20)  # the bits under the rung cleared
+        low = (bits >> 20) - OFFSET
+        under = low < 1
+        over = low > TOP - 1
+        below = tl.where(under, 0, tl.where(over, _level_bits(TOP - 1, SIGNED), rung))
+        above = tl.where(
+            under,
+            _level_bits(1, SIGNED),
+            tl.where(over, _level_bits(TOP, SIGNED), rung + (1 << 20)),
+        )
+        low = tl.where(under, 0, tl.where(over, TOP - 1, low))
+        below = below.to(tl.float32, bitcast=True)
+        above = above.to(tl.float32, bitcast=True)
         threshold = _noise16(offs, seeds, t, k).to(tl.float32) * (1.0 / 65536.0)
         code = low + (ratio - below > threshold * (above - below)).to(tl.int32)
         if SIGNED:  # no -0: 128 is the non-finite code
@@ -382,7 +399,7 @@ def _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scal
 def _qhm_kernel(
     addrs, numels, block_tensor, block_start, n_tensors, table,
     decay, buffer_value, grad_value, grad_multiplier, coupled_weight_decay, grad_to_buffer,
-    scale_ptr, inf_ptr, seeds, levels_signed, levels_unsigned,
+    scale_ptr, inf_ptr, seeds,
     IN_TABLE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
     NARROW: tl.constexpr, DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -403,11 +420,10 @@ def _qhm_kernel(
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                    HAS_SCALE, COMPUTE)  # fmt: skip
-    stored = _load_state(b_ptr, offs, mask, n, levels_signed, True, NARROW, COMPUTE)
+    stored = _load_state(b_ptr, offs, mask, n, True, NARROW, COMPUTE)
     b = _lerp(stored, g, grad_to_buffer)
     p = p * decay + buffer_value * b + grad_value * g
-    _store_state(b_ptr, offs, mask, b, n, levels_signed, seeds, t, 0, True, NARROW, DTYPE,
-                 BLOCK)  # fmt: skip
+    _store_state(b_ptr, offs, mask, b, n, seeds, t, 0, True, NARROW, DTYPE, BLOCK)
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
@@ -417,7 +433,7 @@ def _qhadam_kernel(
     exp_avg_sq_weight, grad_sq_weight, eps, exp_avg_value, grad_value, decay,
     grad_multiplier, coupled_weight_decay, grad_to_exp_avg, exp_avg_sq_decay,
     grad_sq_to_exp_avg_sq,
-    scale_ptr, inf_ptr, seeds, levels_signed, levels_unsigned,
+    scale_ptr, inf_ptr, seeds,
     FORM: tl.constexpr, AMSGRAD: tl.constexpr, IN_TABLE: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, NARROW: tl.constexpr,
     DTYPE: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
@@ -448,20 +464,18 @@ def _qhadam_kernel(
     p = tl.load(p_ptr + offs, mask=mask).to(COMPUTE)
     g = _load_grad(g_ptr, offs, mask, p, grad_multiplier, coupled_weight_decay, scale_ptr,
                    HAS_SCALE, COMPUTE)  # fmt: skip
-    m = _load_state(m_ptr, offs, mask, n, levels_signed, True, NARROW, COMPUTE)
+    m = _load_state(m_ptr, offs, mask, n, True, NARROW, COMPUTE)
     m = _lerp(m, g, grad_to_exp_avg)
-    s = exp_avg_sq_decay * _load_state(s_ptr, offs, mask, n, levels_unsigned, False, NARROW,
-                                       COMPUTE)  # fmt: skip
+    s = exp_avg_sq_decay * _load_state(s_ptr, offs, mask, n, False, NARROW, COMPUTE)
     s = s + grad_sq_to_exp_avg_sq * g * g
     # What the denominator reads: the second moment, or (AMSGrad) its running
     # maximum, rules.amsgrad_maximum (NaN if either is NaN, as torch.maximum).
     d = s
     if AMSGRAD:
         v_ptr = _address(addrs, n_tensors, t, 4, STATE)
-        v = _load_state(v_ptr, offs, mask, n, levels_unsigned, False, NARROW, COMPUTE)
+        v = _load_state(v_ptr, offs, mask, n, False, NARROW, COMPUTE)
         d = tl.where((v != v) | (s != s), v + s, tl.maximum(v, s))
-        _store_state(v_ptr, offs, mask, d, n, levels_unsigned, seeds, t, 2, False, NARROW,
-                     DTYPE, BLOCK)  # fmt: skip
+        _store_state(v_ptr, offs, mask, d, n, seeds, t, 2, False, NARROW, DTYPE, BLOCK)
     if FORM == 0:
         base = tl.sqrt(exp_avg_sq_weight * d)
     elif FORM == 1:
@@ -469,10 +483,8 @@ def _qhadam_kernel(
     else:
         base = tl.sqrt(exp_avg_sq_weight * d + grad_sq_weight * (g * g))
     p = p * decay + (exp_avg_value * m + grad_value * g) / (base + eps)
-    _store_state(m_ptr, offs, mask, m, n, levels_signed, seeds, t, 0, True, NARROW, DTYPE,
-                 BLOCK)  # fmt: skip
-    _store_state(s_ptr, offs, mask, s, n, levels_unsigned, seeds, t, 1, False, NARROW, DTYPE,
-                 BLOCK)  # fmt: skip
+    _store_state(m_ptr, offs, mask, m, n, seeds, t, 0, True, NARROW, DTYPE, BLOCK)
+    _store_state(s_ptr, offs, mask, s, n, seeds, t, 1, False, NARROW, DTYPE, BLOCK)
     tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
 
 
@@ -573,22 +585,20 @@ def _flags(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     seeds: Tensor | None = None,
-    levels: tuple[Tensor, Tensor] | None = None,
+    eight_bit: bool = False,
 ) -> dict[str, Any]:
     first = params[0]
     return {
         "scale_ptr": grad_scale if grad_scale is not None else first,
         "inf_ptr": found_inf if found_inf is not None else first,
         "seeds": seeds if seeds is not None else first,
-        "levels_signed": levels[0] if levels else first,
-        "levels_unsigned": levels[1] if levels else first,
         "BLOCK": _BLOCK,
         "num_warps": _NUM_WARPS,
         **_constexprs(
             first.dtype,
             grad_scale is not None,
             found_inf is not None,
-            _SAME if seeds is None else (_EIGHT_BIT if levels else _BFLOAT16),
+            _SAME if seeds is None else (_EIGHT_BIT if eight_bit else _BFLOAT16),
         ),
     }
 
@@ -740,15 +750,14 @@ def qhm_(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     seeds: Tensor | None = None,
-    levels: tuple[Tensor, Tensor] | None = None,
+    eight_bit: bool = False,
     layout: Layout | None = None,
     whole: bool = False,
 ) -> None:
     """One fused QHM step over tensors of one device and dtype, contiguous.
 
     ``seeds`` (int64 ``[tensors, 3]`` on the device): the buffers are bfloat16,
-    or 8-bit with ``levels`` (the signed and unsigned level tables, float32 on
-    the device), rounded stochastically with each tensor's first seed.
+    or 8-bit (``eight_bit``), rounded stochastically with each tensor's first seed.
     ``layout``: the lists' :func:`known_layout`; ``whole``: see :func:`_layout`."""
     found = _kept_or_new_layout([params, grads, momentum_buffers], layout, whole)
     if found is None:  # only empty tensors
@@ -772,7 +781,7 @@ def qhm_(
         table,
         *scalars,
         IN_TABLE=table is not params[0],
-        **_flags(params, grad_scale, found_inf, seeds, levels),
+        **_flags(params, grad_scale, found_inf, seeds, eight_bit),
     )
 
 
@@ -828,7 +837,7 @@ def qhadam_(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     seeds: Tensor | None = None,
-    levels: tuple[Tensor, Tensor] | None = None,
+    eight_bit: bool = False,
     layout: Layout | None = None,
     whole: bool = False,
 ) -> None:
@@ -841,7 +850,7 @@ def qhadam_(
     GradScaler found an inf in, as torch's fused Adam does. With
     ``hp.amsgrad``, ``max_exp_avg_sqs`` are the running maxima. ``seeds``
     (int64 ``[tensors, 3]`` on the device): the moments (and maxima) are
-    bfloat16, or 8-bit with ``levels`` (see :func:`qhm_`), rounded
+    bfloat16, or 8-bit (``eight_bit``), rounded
     stochastically with these seeds. ``layout`` and ``whole``: see :func:`qhm_`.
     """
     lists = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if hp.amsgrad else [])]
@@ -886,7 +895,7 @@ def qhadam_(
         FORM=_kernels.DENOMINATOR_FORMS[rules.qhadam_denominator(hp.nu2)],
         AMSGRAD=hp.amsgrad,
         IN_TABLE=table is not params[0],
-        **_flags(params, grad_scale, found_inf if on_device else None, seeds, levels),
+        **_flags(params, grad_scale, found_inf if on_device else None, seeds, eight_bit),
     )
 
 
