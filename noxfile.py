@@ -506,7 +506,7 @@ def optax(session: nox.Session) -> None:
         tables=("optax",),
         env={"QHOPTIM_REQUIRE_FUSED": "1"},
     )
-    _doctests(session, "qhoptim/optax/__init__.py")
+    _doctests(session, *(str(path) for path in sorted(Path("qhoptim/optax").glob("*.py"))))
 
 
 # Each Keras session installs Keras and its backend's framework, nothing else

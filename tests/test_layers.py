@@ -59,7 +59,13 @@ LAYERS: dict[str, dict[str, int]] = {
     },
     "qhoptim.optax": {
         "_extension": 1,  # building and registering csrc/state_cpu.cpp
-        "__init__": 2,  # the transformations
+        "_tree": 1,  # pytrees, dtypes, hyperparameters, bias corrections
+        "_narrow": 2,  # narrow state in XLA's operations, EightBitArray
+        "_state_step": 3,  # the C++ state step on the CPU, XLA's elsewhere
+        "_qhm": 4,
+        "_qhadam": 4,
+        "_qhmuon": 4,
+        "__init__": 5,  # the public API, from_params
     },
 }
 

@@ -19,6 +19,7 @@ import pytest
 import qhoptim.optax as qho
 from conformance.adapters.optax import x64
 from qhoptim import rules
+from qhoptim.optax._tree import bias_correction
 
 F32_EPS = float(np.finfo(np.float32).eps)
 # Powers of two: the step-by-step float32 first Adam step is exactly +-1 on them.
@@ -61,7 +62,7 @@ def test_float32_state_and_bias_corrections_stay_float32() -> None:
         tx = qho.scale_by_qhadam(b1=0.9999999)
         x = jnp.ones(3, jnp.float32)
         _, state = tx.update(x, tx.init(x))
-        bc = qho._bias_correction(0.9999999, state.count)
+        bc = bias_correction(0.9999999, state.count)
     assert state.count.dtype == jnp.int32
     assert state.mu.dtype == state.nu.dtype == jnp.float32
     assert bc.dtype == jnp.float32
@@ -74,8 +75,8 @@ def test_float32_bias_correction_has_float32_relative_precision(beta: float, ste
     exact = 1.0 if beta == 0 else -math.expm1(step * math.log(beta))
     count = jnp.asarray(step, jnp.int32)
     with x64(False):
-        python_beta = qho._bias_correction(beta, count)
-        traced_beta = jax.jit(qho._bias_correction)(jnp.float32(beta), count)
+        python_beta = bias_correction(beta, count)
+        traced_beta = jax.jit(bias_correction)(jnp.float32(beta), count)
     assert python_beta.dtype == traced_beta.dtype == jnp.float32
     assert abs(float(python_beta) / exact - 1) <= 2 * F32_EPS
     # A traced beta is itself float32: compare with its own exact correction.
@@ -93,8 +94,8 @@ def test_x64_bias_correction_is_the_references(beta: float, step: int) -> None:
     count = jnp.asarray(step, jnp.int32)
     expected = rules.bias_correction(beta, step)
     for bc in (
-        qho._bias_correction(beta, count),
-        jax.jit(qho._bias_correction)(jnp.float64(beta), count),
+        bias_correction(beta, count),
+        jax.jit(bias_correction)(jnp.float64(beta), count),
     ):
         assert bc.dtype == jnp.float64
         assert abs(float(bc) - expected) <= np.finfo(np.float64).eps

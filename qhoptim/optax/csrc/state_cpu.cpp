@@ -10,7 +10,7 @@
 // this call does, so that the new state never passes through a float32 array.
 //
 // The coefficients come from qhoptim.rules, computed by the Python side
-// (qhoptim/optax/__init__.py) and passed as one float32 array; the arithmetic
+// (qhoptim/optax/_qhm.py, _qhadam.py) and passed as one float32 array; the arithmetic
 // is rules.ewma's (and rules.amsgrad_maximum's), element by element, each
 // product and sum rounded as written (built with -ffp-contract=off).
 //

@@ -1,0 +1,110 @@
+"""Pytrees, dtypes, hyperparameters and bias corrections as every optax
+transformation of :mod:`qhoptim.optax` takes them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qhoptim import rules, validation
+
+ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
+
+
+def is_none(x: Any) -> bool:
+    return x is None
+
+
+def flatten(tree: Any) -> tuple[list[Any], Any]:
+    # ``None`` leaves (frozen / absent params) are kept as leaves and skipped.
+    return jax.tree.flatten(tree, is_leaf=is_none)
+
+
+def leaves_like(treedef: Any, tree: Any, what: str) -> list[Any]:
+    """The leaves of ``tree`` (a state field), which must have the updates' structure.
+
+    ``optax.adam`` pairs updates and state with ``jax.tree.map``, which raises
+    on a structure mismatch; so does this. Flattening each tree on its own would
+    pair leaves by position: gradients ``[x, y]`` for a state of ``{"a": x,
+    "b": y}`` would be accepted, and leaves in another order would be given
+    another parameter's moments.
+    """
+    try:
+        return treedef.flatten_up_to(tree)  # type: ignore[no-any-return]
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"pytree structure error: the updates do not have the structure of the "
+            f"optimizer state's {what} (the parameters it was initialised for): {error}"
+        ) from error
+
+
+# |x|**2 of JAX's real and complex arrays
+abs_sq = functools.partial(rules.abs_square, conj=jnp.conj, real=jnp.real)
+
+
+def hyperparameter_in(x: Any, dtype: Any) -> Any:
+    # Python scalars stay weakly typed (no rounding of hyperparameters to a
+    # low-precision dtype before 1 - beta is formed). Arrays -- traced
+    # hyperparameters under inject_hyperparams -- follow the leaf's dtype, but
+    # never below float32: in bfloat16, b2 = 0.999 is 1.0 and 1 - b2 is 0 (the
+    # second moment would stay 0); the arithmetic then runs in float32 and the
+    # results are cast back to the leaf's and the state's dtypes.
+    return x.astype(jnp.promote_types(dtype, jnp.float32)) if isinstance(x, jax.Array) else x
+
+
+def real_dtype(dtype: Any) -> Any:
+    """The real dtype of ``dtype``: itself if real, float32 for complex64 (``finfo``'s dtype)."""
+    return jnp.finfo(dtype).dtype  # type: ignore[no-untyped-call]
+
+
+def canonical_dtype(dtype: Any) -> Any:
+    return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+
+
+def inexact_dtype(dtype: Any, name: str) -> Any:
+    """``dtype`` (``accumulator_dtype``, ``mu_dtype``, ``ns_dtype``) canonical,
+    None kept, refused unless floating-point or complex: an integer state
+    would be truncated at every step (the 8-bit state is ``state_dtype``'s)."""
+    dtype = canonical_dtype(dtype)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+        hint = "" if name == "ns_dtype" else " (an 8-bit state is state_dtype=jnp.uint8)"
+        raise ValueError(
+            f"{name} must be None or a floating-point dtype; received "
+            f"{name}={jnp.dtype(dtype).name}{hint}"
+        )
+    return dtype
+
+
+def bias_correction(beta: float | jax.Array, count: jax.Array) -> jax.Array:
+    """``1 - beta**count`` under :func:`qhoptim.rules.bias_correction`'s float32 policy.
+
+    With ``jax_enable_x64`` and a float64 (or Python) ``beta`` the correction is
+    computed in float64 as ``1 - beta**count``, as the float64 reference does.
+    Otherwise -- the default float32 JAX, or a lower-precision array ``beta`` --
+    it is ``-expm1(count * log(beta))``, which keeps float32's relative
+    precision near ``beta = 1`` where ``1 - beta**count`` cancels. ``log`` of a
+    concrete ``beta`` is taken in float64 (:func:`math.log`); a traced one
+    (``optax.inject_hyperparams``) uses :func:`jax.numpy.log`.
+    """
+    beta_value = validation.concrete_float(beta)
+    x64 = jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
+    if x64 and (beta_value is not None or jnp.result_type(beta) == jnp.float64):
+        # A float exponent: XLA raises to an integer power by repeated squaring,
+        # tens of ulps off Python's ``beta ** step`` after a thousand steps.
+        t = count.astype(jnp.float64)
+        return jnp.asarray(rules.bias_correction(beta if beta_value is None else beta_value, t))
+    if beta_value is None:
+        return jnp.asarray(rules.bias_correction(beta, count, expm1=jnp.expm1, log=jnp.log))
+    return jnp.asarray(rules.bias_correction(beta_value, count, expm1=jnp.expm1))
+
+
+def check_learning_rate(learning_rate: ScalarOrSchedule) -> ScalarOrSchedule:
+    """The checked learning rate; a concrete scalar (a one-element array) as a float."""
+    if callable(learning_rate):
+        return learning_rate
+    validation.check_lr(learning_rate, "learning_rate")
+    return validation.as_float(learning_rate)
