@@ -397,9 +397,57 @@ class NarrowStateOptimizer(Optimizer):
             if group.get("state_dtype") != dtype:
                 self._convert_state(group, dtype)
                 group["stochastic_rounding"] = stochastic
+        self._checked_groups: dict[int, Any] = {}
+        for group in self.param_groups:  # checked by check_state_dict
+            self._remember_checked(group)
 
     #: The names of the state lists ``_SIGNED`` describes, in its order.
     _STATE_LISTS: tuple[str, ...] = ()
+
+    def _remember_checked(self, group: dict[str, Any]) -> None:
+        """Record ``group``'s values as checked, and the dtype its state is stored in."""
+        values = tuple(v for k, v in group.items() if k != "params")
+        checked = self.__dict__.setdefault("_checked_groups", {})
+        checked[id(group)] = (group, values, group.get("state_dtype"))
+
+    def _check_changed_groups(self) -> None:
+        """Check again, before any group moves, each param group whose values
+        changed since they were checked (made, loaded or last stepped): a
+        scheduler's (a ``LambdaLR`` run past its end gives a negative lr) or a
+        hand's. torch's optimizers step by such values; here, as where a group
+        is made, they raise ``ValueError`` (the step would otherwise write a
+        checkpoint ``load_state_dict`` refuses, or fail in a later group after
+        earlier ones moved). A concrete scalar is read as its Python float, as
+        where a group is made. A group whose ``state_dtype`` changed has its
+        state converted, as ``load_state_dict`` converts a checkpoint's. A
+        tensor ``lr`` is read on the device and its value not checked again
+        (reading it would synchronize, and fail under CUDA graph capture); nor
+        is anything under ``torch.compile``, whose guards see the values.
+        """
+        if torch.compiler.is_compiling():
+            return
+        checked = self.__dict__.setdefault("_checked_groups", {})
+        changed: list[tuple[dict[str, Any], bool, torch.dtype | None]] = []
+        for group in self.param_groups:
+            values = tuple(v for k, v in group.items() if k != "params")
+            record = checked.get(id(group))
+            known = record is not None and record[0] is group
+            if known and record[1] == values:
+                continue
+            lr = group["lr"]
+            self._check_group({**group, "lr": 0.0} if isinstance(lr, Tensor) else group)
+            changed.append((group, known, record[2] if known else None))
+        for group, known, stored_as in changed:  # every group checked: now changed
+            group.update(as_numbers(group))
+            wanted = group.get("state_dtype")
+            if known and wanted != stored_as:
+                group["state_dtype"] = stored_as  # what _convert_state converts from
+                self._convert_state(group, wanted)
+            self._remember_checked(group)
+        if len(checked) > len(self.param_groups):  # groups replaced: their records go
+            current = {id(group) for group in self.param_groups}
+            for key in [key for key in checked if key not in current]:
+                del checked[key]
 
     def _convert_state(self, group: dict[str, Any], dtype: torch.dtype | None) -> None:
         """Store ``group``'s state in ``dtype`` (None: the parameters' own)."""
@@ -553,6 +601,7 @@ class QHOptimizer(NarrowStateOptimizer):
         if isinstance(param_group, dict):
             param_group = as_numbers(param_group)
         super().add_param_group(param_group)
+        self._remember_checked(self.param_groups[-1])
 
     def _gather(self, group: dict[str, Any]) -> Gathered:
         """The group's params with a gradient, their grads and their states,
@@ -622,6 +671,7 @@ class QHOptimizer(NarrowStateOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_changed_groups()
         self._check_amp_scaling()
         gathered = [self._gather(group) for group in self.param_groups]
         for group, group_gathered in zip(self.param_groups, gathered, strict=True):

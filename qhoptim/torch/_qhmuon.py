@@ -139,6 +139,8 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
             _check_matrices([p for p in params if isinstance(p, Tensor)])
             param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
+        if hasattr(self, "defaults"):
+            self._remember_checked(self.param_groups[-1])
 
     @classmethod
     def from_params(cls, params: ParamsT, converted: convert.QHMuonParams, **kwargs: Any) -> QHMuon:
@@ -155,8 +157,9 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Every group's parameters checked before any group moves: a failing
-        # step changes nothing.
+        # Every group's values and parameters checked before any group moves:
+        # a failing step changes nothing.
+        self._check_changed_groups()
         gathered = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from qh_torch_testing import random_grads, run_torch
 
-from qhoptim.torch import QHM, QHAdam, QHAdamW
+from qhoptim.torch import QHM, QHAdam, QHAdamW, QHMuon
 
 F64 = torch.float64
 SHAPES = [(3, 2), (4,)]
@@ -273,3 +273,123 @@ def test_a_wrappers_entries_beside_the_state_load_and_stay(name: str) -> None:
         q.grad = torch.ones_like(q)
     resumed.step()
     torch.testing.assert_close(resumed.state[p]["lookahead_slow_buff"], slow)
+
+
+# ------------------------------------------------ values changed after the group is made
+def _two_groups(make: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> Any:
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(300, generator=gen)) for _ in range(2)]
+    opt = make([{"params": [params[0]]}, {"params": [params[1]]}], **kwargs)
+    for p in params:
+        p.grad = torch.randn(300, generator=gen)
+    opt.step()
+    return opt, params
+
+
+CHANGED_VALUES: list[tuple[Callable[..., torch.optim.Optimizer], str, Any, str]] = [
+    (QHAdam, "lr", -0.005, r"lr must be in \[0, inf\); received lr=-0.005"),
+    (QHAdam, "betas", (1.0, 0.999), r"betas\[0\] must be in \[0, 1\); received betas\[0\]=1.0"),
+    (QHAdamW, "eps", -1.0, r"eps must be in \[0, inf\); received eps=-1.0"),
+    (QHM, "momentum", 1.5, r"momentum must be in \[0, 1\); received momentum=1.5"),
+    (QHM, "weight_decay", float("nan"), r"weight_decay must be in \[0, inf\); received"),
+]
+
+
+@pytest.mark.parametrize(("make", "key", "value", "message"), CHANGED_VALUES)
+def test_a_value_made_invalid_after_the_group_is_refused_before_any_group_moves(
+    make: Callable[..., torch.optim.Optimizer], key: str, value: Any, message: str
+) -> None:
+    # A scheduler run past its end (LambdaLR's linear decay gives a negative
+    # lr) or a hand sets a value the constructor refuses. torch's optimizers
+    # step by it; here the next step raises the constructor's error before
+    # either group moves, and the checkpoint stays loadable.
+    kwargs = {"lr": 0.1} if make is QHM else {}
+    opt, params = _two_groups(make, **kwargs)
+    before = [p.detach().clone() for p in params]
+    state_before = copy.deepcopy(opt.state_dict())
+    opt.param_groups[1][key] = value
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b)
+    after = opt.state_dict()["state"]
+    for index, saved in state_before["state"].items():
+        for name, value in saved.items():
+            assert torch.equal(after[index][name], value), (index, name)
+    opt.param_groups[1][key] = state_before["param_groups"][1][key]
+    opt.step()  # the value mended, it steps
+    fresh, _ = _two_groups(make, **kwargs)
+    fresh.load_state_dict(opt.state_dict())
+
+
+def test_a_lambda_lr_run_past_its_end_is_refused_at_the_step() -> None:
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = QHAdam(params, lr=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / 4)
+    for step in range(6):
+        params[0].grad = torch.ones(3)
+        if opt.param_groups[0]["lr"] < 0:
+            with pytest.raises(ValueError, match=r"received lr=-0.0025"):
+                opt.step()
+            assert step == 5
+            return
+        opt.step()
+        schedule.step()
+    raise AssertionError("the schedule never went negative")
+
+
+def test_a_concrete_scalar_set_after_the_group_is_read_as_a_float() -> None:
+    np = pytest.importorskip("numpy")
+    opt, _ = _two_groups(QHM, lr=0.1)
+    opt.param_groups[0]["momentum"] = np.float32(0.5)
+    opt.step()
+    assert type(opt.param_groups[0]["momentum"]) is float
+
+
+STATE_DTYPE_CHANGES = [
+    (None, torch.bfloat16),
+    (None, torch.uint8),
+    (torch.bfloat16, None),
+    (torch.uint8, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("make", [QHM, QHAdam, QHMuon], ids=["QHM", "QHAdam", "QHMuon"])
+@pytest.mark.parametrize(("was", "now"), STATE_DTYPE_CHANGES, ids=str)
+def test_a_group_s_state_dtype_changed_converts_its_state_as_loading_does(
+    make: Callable[..., torch.optim.Optimizer], was: Any, now: Any
+) -> None:
+    # The next step converts the group's state, as load_state_dict converts a
+    # checkpoint saved with another state_dtype: the two optimizers then step
+    # alike, bit for bit.
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(16, 24), (24, 16)]  # matrices: QHMuon's too
+    kwargs = {"lr": 0.1} if make is QHM else {}
+
+    def made(state_dtype: Any) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+        params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+        opt = make([{"params": [params[0]]}, {"params": [params[1]], "state_dtype": state_dtype}],
+                   **kwargs)  # fmt: skip
+        return opt, params
+
+    changed, params = made(was)
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    for g in grads[:2]:
+        for p, gi in zip(params, g, strict=True):
+            p.grad = gi
+        changed.step()
+    loaded, loaded_params = made(now)
+    with torch.no_grad():
+        for a, b in zip(loaded_params, params, strict=True):
+            a.copy_(b)
+    loaded.load_state_dict(copy.deepcopy(changed.state_dict()))  # as a checkpoint: no aliases
+    changed.param_groups[1]["state_dtype"] = now
+    for g in grads[2:]:
+        for opt, ps in ((changed, params), (loaded, loaded_params)):
+            for p, gi in zip(ps, g, strict=True):
+                p.grad = gi.clone()
+            opt.step()
+    for a, b in zip(params, loaded_params, strict=True):
+        assert torch.equal(a, b)
+    for key, value in loaded.state[loaded_params[1]].items():
+        assert torch.equal(changed.state[params[1]][key], value), key
