@@ -406,7 +406,7 @@ class NarrowStateOptimizer(Optimizer):
 
     def _remember_checked(self, group: dict[str, Any]) -> None:
         """Record ``group``'s values as checked, and the dtype its state is stored in."""
-        values = tuple(v for k, v in group.items() if k != "params")
+        values = tuple(group.values())  # "params" too: the same list, compared by identity
         checked = self.__dict__.setdefault("_checked_groups", {})
         checked[id(group)] = (group, values, group.get("state_dtype"))
 
@@ -429,7 +429,7 @@ class NarrowStateOptimizer(Optimizer):
         checked = self.__dict__.setdefault("_checked_groups", {})
         changed: list[tuple[dict[str, Any], bool, torch.dtype | None]] = []
         for group in self.param_groups:
-            values = tuple(v for k, v in group.items() if k != "params")
+            values = tuple(group.values())
             record = checked.get(id(group))
             known = record is not None and record[0] is group
             if known and record[1] == values:
