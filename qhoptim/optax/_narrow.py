@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from qhoptim import rounding
-from qhoptim.optax._tree import canonical_dtype
+from qhoptim.optax._tree import canonical_dtype, leaves_like
 
 # JAX's uint32 arrays wrap; a Python int above 2**31 - 1 beside one is refused.
 _BITS = rounding.Bits(const=lambda c: jnp.asarray(c, jnp.uint32))
@@ -303,6 +303,20 @@ def _encode_here(
         x, finite, ratio, low, _as_float32(below), _as_float32(above), threshold, signed, jnp.where
     )
     return EightBitArray(code.astype(jnp.uint8).reshape(value.shape), scales, signed)
+
+
+def stored_leaves(treedef: Any, tree: Any, what: str, signed: bool) -> list[Any]:
+    """The leaves of the state field ``tree`` (:func:`leaves_like`), each as
+    this module stores it. ``flax.nnx.Optimizer`` keeps each leaf in a
+    variable, and from its second update on hands an 8-bit leaf back as the
+    mapping of its two children (0: the codes, 1: the scales) that nnx's
+    state made of it; it is read as the :class:`EightBitArray` it was
+    (``signed``: the field's)."""
+    leaves = leaves_like(treedef, tree, what)
+    return [
+        EightBitArray(x[0], x[1], signed) if isinstance(x, Mapping) and set(x) == {0, 1} else x
+        for x in leaves
+    ]
 
 
 def load(stored: jax.Array | EightBitArray, dtype: Any) -> jax.Array:

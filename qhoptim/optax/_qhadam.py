@@ -17,6 +17,7 @@ from qhoptim.optax._narrow import (
     load,
     rounding_seed,
     store,
+    stored_leaves,
     zeros_state,
 )
 from qhoptim.optax._state_step import Pending, check_fused, state_target, stepped_states
@@ -28,7 +29,6 @@ from qhoptim.optax._tree import (
     flatten,
     hyperparameter_in,
     inexact_dtype,
-    leaves_like,
     real_dtype,
 )
 
@@ -186,15 +186,15 @@ def scale_by_qhadam(
         count = optax.safe_increment(state.count)
         bc1, bc2 = bias_correction(b1, count), bias_correction(b2, count)
         grads, treedef = flatten(updates)
-        exp_avgs = leaves_like(treedef, state.mu, "mu")
-        exp_avg_sqs = leaves_like(treedef, state.nu, "nu")
+        exp_avgs = stored_leaves(treedef, state.mu, "mu", True)
+        exp_avg_sqs = stored_leaves(treedef, state.nu, "nu", False)
         if amsgrad:
             if not isinstance(state, ScaleByQHAdamAmsgradState):
                 raise TypeError(
                     "scale_by_qhadam(amsgrad=True) needs its own state, "
                     f"ScaleByQHAdamAmsgradState (from its init); received {type(state).__name__}"
                 )
-            maxes = leaves_like(treedef, state.nu_max, "nu_max")
+            maxes = stored_leaves(treedef, state.nu_max, "nu_max", False)
         else:
             maxes = [None] * len(grads)
         target = state_target(fused, state_dtype, stochastic)

@@ -16,6 +16,7 @@ from qhoptim.optax._narrow import (
     load,
     rounding_seed,
     store,
+    stored_leaves,
     zeros_state,
 )
 from qhoptim.optax._state_step import Pending, check_fused, state_target, stepped_states
@@ -25,7 +26,6 @@ from qhoptim.optax._tree import (
     flatten,
     hyperparameter_in,
     inexact_dtype,
-    leaves_like,
     real_dtype,
 )
 
@@ -136,7 +136,7 @@ def scale_by_qhm(
     ) -> tuple[optax.Updates, ScaleByQHMState | ScaleByQHMCountState]:
         del params
         grads, treedef = flatten(updates)
-        buffers = leaves_like(treedef, state.momentum_buffer, "momentum_buffer")
+        buffers = stored_leaves(treedef, state.momentum_buffer, "momentum_buffer", True)
         count = None
         if state_dtype is not None:
             if not isinstance(state, ScaleByQHMCountState):

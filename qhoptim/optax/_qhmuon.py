@@ -17,6 +17,7 @@ from qhoptim.optax._narrow import (
     load,
     rounding_seed,
     store,
+    stored_leaves,
     zeros_state,
 )
 from qhoptim.optax._tree import (
@@ -25,7 +26,6 @@ from qhoptim.optax._tree import (
     check_learning_rate,
     flatten,
     inexact_dtype,
-    leaves_like,
 )
 
 
@@ -148,7 +148,7 @@ def scale_by_qhmuon(
     ) -> tuple[optax.Updates, ScaleByQHMuonState]:
         del params
         grads, treedef = flatten(updates)
-        buffers = leaves_like(treedef, state.momentum_buffer, "momentum_buffer")
+        buffers = stored_leaves(treedef, state.momentum_buffer, "momentum_buffer", True)
         count = optax.safe_increment(state.count)
         grad_correction = bias_correction(beta, count)
         buffer_correction = rules.qhmuon_buffer_correction(nu, grad_correction, minimum=jnp.minimum)

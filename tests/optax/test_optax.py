@@ -447,6 +447,59 @@ def test_an_8_bit_state_survives_a_flax_checkpoint(make: Any) -> None:
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: qho.qhm(0.1, momentum=0.9, nu=0.7, state_dtype=jnp.uint8),
+        lambda: qho.qhadam(0.05, nu1=0.7, nu2=0.9, amsgrad=True, state_dtype=jnp.uint8),
+        lambda: qho.qhadam(0.05, nu1=0.7, state_dtype=jnp.bfloat16),
+        lambda: qho.qhmuon(0.02, state_dtype=jnp.uint8),
+    ],
+    ids=["qhm-8-bit", "qhadam-amsgrad-8-bit", "qhadam-bfloat16", "qhmuon-8-bit"],
+)
+def test_narrow_state_in_a_flax_nnx_optimizer_steps_as_a_plain_loop(make: Any) -> None:
+    # nnx.Optimizer keeps each state leaf in a variable and, from its second
+    # update on, hands an 8-bit leaf back as the mapping of its two children;
+    # the steps read it as the 8-bit array it was, bit for bit a plain loop's.
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):  # type: ignore[misc]
+        def __init__(self, rngs: Any) -> None:
+            self.linear = nnx.Linear(40, 30, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.linear(x)
+
+    x = jnp.linspace(-1.0, 1.0, 80, dtype=jnp.float32).reshape(2, 40)
+
+    def loss(model: Any) -> jax.Array:
+        return (model(x) ** 2).mean()
+
+    model = Model(nnx.Rngs(0))
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model: Any, optimizer: Any) -> None:
+        optimizer.update(model, nnx.grad(loss)(model))
+
+    tx = make()
+    state = tx.init(params)
+    graphdef, _ = nnx.split(model)
+
+    @jax.jit
+    def plain_step(params: Any, state: Any) -> Any:
+        grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p)))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(4):
+        train_step(model, optimizer)
+        params, state = plain_step(params, state)
+    got = nnx.as_pure(nnx.state(model, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, got, params)
+
+
 def _run_from(tx, params, state, steps):
     for _ in range(steps):
         updates, state = tx.update(jax.grad(F)(params), state, params)
