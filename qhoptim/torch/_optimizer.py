@@ -202,6 +202,25 @@ def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _same_values(checked: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
+    """Whether a group's ``values`` are those ``checked``: each the same object,
+    or an equal one of the same type. A tensor replaced by another counts as
+    changed (comparing two would be an element-wise operation, on two devices
+    perhaps), as does anything whose comparison is not a truth value."""
+    return len(checked) == len(values) and all(map(_same_value, checked, values))
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or isinstance(a, Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # an array's comparison, say
+        return False
+
+
 def sparse_error(optimizer: str) -> RuntimeError:
     return RuntimeError(f"{optimizer} does not support sparse gradients")
 
@@ -406,7 +425,7 @@ class NarrowStateOptimizer(Optimizer):
 
     def _remember_checked(self, group: dict[str, Any]) -> None:
         """Record ``group``'s values as checked, and the dtype its state is stored in."""
-        values = tuple(group.values())  # "params" too: the same list, compared by identity
+        values = tuple(v for k, v in group.items() if k != "params")
         checked = self.__dict__.setdefault("_checked_groups", {})
         checked[id(group)] = (group, values, group.get("state_dtype"))
 
@@ -420,22 +439,24 @@ class NarrowStateOptimizer(Optimizer):
         earlier ones moved). A concrete scalar is read as its Python float, as
         where a group is made. A group whose ``state_dtype`` changed has its
         state converted, as ``load_state_dict`` converts a checkpoint's. A
-        tensor ``lr`` is read on the device and its value not checked again
-        (reading it would synchronize, and fail under CUDA graph capture); nor
-        is anything under ``torch.compile``, whose guards see the values.
+        tensor ``lr`` is a value as an object: one written in place is not
+        read again, nor a new one on an accelerator (reading it there would
+        synchronize, and fail under CUDA graph capture); nothing is under
+        ``torch.compile``, whose guards see the values.
         """
         if torch.compiler.is_compiling():
             return
         checked = self.__dict__.setdefault("_checked_groups", {})
         changed: list[tuple[dict[str, Any], bool, torch.dtype | None]] = []
         for group in self.param_groups:
-            values = tuple(group.values())
+            values = tuple(v for k, v in group.items() if k != "params")
             record = checked.get(id(group))
             known = record is not None and record[0] is group
-            if known and record[1] == values:
+            if known and _same_values(record[1], values):
                 continue
             lr = group["lr"]
-            self._check_group({**group, "lr": 0.0} if isinstance(lr, Tensor) else group)
+            on_device = isinstance(lr, Tensor) and lr.device.type != "cpu"
+            self._check_group({**group, "lr": 0.0} if on_device else group)
             changed.append((group, known, record[2] if known else None))
         for group, known, stored_as in changed:  # every group checked: now changed
             group.update(as_numbers(group))

@@ -393,3 +393,18 @@ def test_a_group_s_state_dtype_changed_converts_its_state_as_loading_does(
         assert torch.equal(a, b)
     for key, value in loaded.state[loaded_params[1]].items():
         assert torch.equal(changed.state[params[1]][key], value), key
+
+
+def test_a_new_tensor_lr_is_checked_and_a_replaced_params_list_is_not_compared() -> None:
+    # A new tensor counts as a change (never compared element-wise with the
+    # old one); on the CPU its value is read and checked.
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = QHAdam(params, lr=torch.tensor(0.01))
+    params[0].grad = torch.ones(3)
+    opt.step()
+    opt.param_groups[0]["lr"] = torch.tensor(-0.01)
+    with pytest.raises(ValueError, match=r"lr must be in \[0, inf\); received lr=-0.0099"):
+        opt.step()
+    opt.param_groups[0]["lr"] = torch.tensor(0.02)
+    opt.param_groups[0]["params"] = list(params)  # another list, the same tensors
+    opt.step()
