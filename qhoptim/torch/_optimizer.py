@@ -202,12 +202,41 @@ def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _same_values(checked: tuple[Any, ...], values: tuple[Any, ...]) -> bool:
-    """Whether a group's ``values`` are those ``checked``: each the same object,
-    or an equal one of the same type. A tensor replaced by another counts as
-    changed (comparing two would be an element-wise operation, on two devices
-    perhaps), as does anything whose comparison is not a truth value."""
-    return len(checked) == len(values) and all(map(_same_value, checked, values))
+class _CheckedGroup(NamedTuple):
+    """A param group as it was last checked: its values (all but ``params``),
+    read back by ``values_of``, and the dtype its state is stored in."""
+
+    group: dict[str, Any]
+    size: int
+    values_of: Callable[[dict[str, Any]], tuple[Any, ...]]
+    values: tuple[Any, ...]
+    state_dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, group: dict[str, Any]) -> _CheckedGroup:
+        keys = tuple(k for k in group if k != "params")
+        values_of: Callable[[dict[str, Any]], tuple[Any, ...]]
+        if len(keys) > 1:
+            values_of = operator.itemgetter(*keys)  # a tuple, in C
+        else:
+            values_of = lambda g: tuple(g[k] for k in keys)  # noqa: E731
+        return cls(group, len(group), values_of, values_of(group), group.get("state_dtype"))
+
+    def unchanged(self) -> bool:
+        """Whether the group holds the values checked: each the same object
+        (the step's usual case, one pass in C), or an equal one of the same
+        type. A tensor replaced by another counts as changed (comparing two
+        would be an element-wise operation, on two devices perhaps), as does
+        anything whose comparison is not a truth value."""
+        if len(self.group) != self.size:
+            return False
+        try:
+            values = self.values_of(self.group)
+        except KeyError:  # a key replaced by another
+            return False
+        return all(map(operator.is_, self.values, values)) or all(
+            map(_same_value, self.values, values)
+        )
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -416,7 +445,7 @@ class NarrowStateOptimizer(Optimizer):
             if group.get("state_dtype") != dtype:
                 self._convert_state(group, dtype)
                 group["stochastic_rounding"] = stochastic
-        self._checked_groups: dict[int, Any] = {}
+        self._checked_groups: dict[int, _CheckedGroup] = {}
         for group in self.param_groups:  # checked by check_state_dict
             self._remember_checked(group)
 
@@ -425,9 +454,8 @@ class NarrowStateOptimizer(Optimizer):
 
     def _remember_checked(self, group: dict[str, Any]) -> None:
         """Record ``group``'s values as checked, and the dtype its state is stored in."""
-        values = tuple(v for k, v in group.items() if k != "params")
         checked = self.__dict__.setdefault("_checked_groups", {})
-        checked[id(group)] = (group, values, group.get("state_dtype"))
+        checked[id(group)] = _CheckedGroup.of(group)
 
     def _check_changed_groups(self) -> None:
         """Check again, before any group moves, each param group whose values
@@ -449,15 +477,14 @@ class NarrowStateOptimizer(Optimizer):
         checked = self.__dict__.setdefault("_checked_groups", {})
         changed: list[tuple[dict[str, Any], bool, torch.dtype | None]] = []
         for group in self.param_groups:
-            values = tuple(v for k, v in group.items() if k != "params")
             record = checked.get(id(group))
-            known = record is not None and record[0] is group
-            if known and _same_values(record[1], values):
+            known = record is not None and record.group is group
+            if known and record.unchanged():
                 continue
             lr = group["lr"]
             on_device = isinstance(lr, Tensor) and lr.device.type != "cpu"
             self._check_group({**group, "lr": 0.0} if on_device else group)
-            changed.append((group, known, record[2] if known else None))
+            changed.append((group, known, record.state_dtype if known else None))
         for group, known, stored_as in changed:  # every group checked: now changed
             group.update(as_numbers(group))
             wanted = group.get("state_dtype")
