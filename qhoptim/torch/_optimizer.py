@@ -36,6 +36,8 @@ from qhoptim.torch._tensors import (
 )
 
 _DTYPE = operator.attrgetter("dtype")
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
 _TORCH_FLAGS = {
     "maximize": False,
     "foreach": None,
@@ -657,26 +659,22 @@ class QHOptimizer(NarrowStateOptimizer):
         raises here, before any group has moved (``step`` gathers every group
         first, so that a failing step changes nothing). Nothing is made: a new
         parameter's state is made where its group steps."""
-        # The step's host work is per parameter: each attribute read once, and
-        # nothing read that no step uses (complex tensors are recognised per
-        # tensor where they step, so the group's has_complex is not gathered).
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        states: list[dict[str, Any] | None] = []
-        state = self.state
-        fused = group["fused"]
-        for p in group["params"]:
-            grad = p.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise sparse_error(type(self).__name__)
-            p_state = state.get(p)
-            if fused and not p_state:  # its first step: checked as torch checks it
-                _fused.check_fused_device(p)
-            params.append(p)
-            grads.append(grad)
-            states.append(p_state)
+        # The step's host work is per parameter: each attribute read once, in
+        # C where a map can (no bytecode per tensor), and nothing read that no
+        # step uses (complex tensors are recognised per tensor where they
+        # step, so the group's has_complex is not gathered).
+        params: list[Tensor] = list(group["params"])  # the step's own list
+        grads: list[Tensor] = list(map(_GRAD, params))
+        if not all(map(operator.is_not, grads, itertools.repeat(None))):  # some have none
+            params = [p for p, g in zip(params, grads, strict=True) if g is not None]
+            grads = [g for g in grads if g is not None]
+        if any(map(_IS_SPARSE, grads)):
+            raise sparse_error(type(self).__name__)
+        states: list[dict[str, Any] | None] = list(map(self.state.get, params))
+        if group["fused"] and not all(states):  # first steps: checked as torch checks them
+            for p, p_state in zip(params, states, strict=True):
+                if not p_state:
+                    _fused.check_fused_device(p)
         return Gathered(params, grads, states)
 
     def _step_group(self, group: dict[str, Any], gathered: Gathered) -> None:
