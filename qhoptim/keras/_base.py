@@ -70,7 +70,22 @@ def documented(cls: type) -> type:
     return cls
 
 
-class _PerVariableStep(keras.optimizers.Optimizer):  # type: ignore[misc]
+class CheckedLearningRate:
+    """``learning_rate`` set after construction -- by a callback such as
+    ``LearningRateScheduler`` or ``ReduceLROnPlateau``, or by hand -- checked
+    as the constructor checks it: Keras's optimizers take a negative value and
+    step uphill. Schedules, callables and variables pass as Keras takes them."""
+
+    @property
+    def learning_rate(self) -> Any:
+        return keras.optimizers.Optimizer.learning_rate.fget(self)
+
+    @learning_rate.setter
+    def learning_rate(self, value: Any) -> None:
+        keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate_value(value))
+
+
+class _PerVariableStep(CheckedLearningRate, keras.optimizers.Optimizer):  # type: ignore[misc]
     """Backend-neutral plumbing: running one variable's step, decoupled weight decay.
 
     The backend's mixin (``_BackendStep``) comes before this class in the MRO

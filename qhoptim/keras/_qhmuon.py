@@ -11,7 +11,7 @@ from keras import ops
 
 from qhoptim import convert, rounding, rules, validation
 from qhoptim.keras import _narrow
-from qhoptim.keras._base import as_float, learning_rate_value
+from qhoptim.keras._base import CheckedLearningRate, as_float, learning_rate_value
 
 __all__ = ["QHMuon"]
 
@@ -52,7 +52,7 @@ def _muon_keeps_a_slot_per_index() -> bool:
 
 
 @keras.saving.register_keras_serializable(package="qhoptim")
-class QHMuon(keras.optimizers.Muon):  # type: ignore[misc]
+class QHMuon(CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
     r"""Muon with quasi-hyperbolic momentum: ``keras.optimizers.Muon`` plus ``nu``.
 
     For each variable Keras's Muon steps with Muon (2-D variables but

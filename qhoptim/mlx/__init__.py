@@ -225,9 +225,25 @@ def _check_real(parameter: mx.array) -> None:
         raise TypeError(f"qhoptim.mlx optimizes real floating-point arrays; got {parameter.dtype}")
 
 
+#: MLX's ``Optimizer.learning_rate`` property, which _NarrowState's wraps.
+_MLX_LEARNING_RATE: Any = vars(optim.Optimizer)["learning_rate"]
+
+
 class _NarrowState(optim.Optimizer):
     """What every optimizer here shares: the state's dtype (``state_dtype``),
-    its rounding seeds, and the conversion of a state loaded in another dtype."""
+    its rounding seeds, the conversion of a state loaded in another dtype, and
+    a ``learning_rate`` set after construction checked as the constructor
+    checks it (MLX's optimizers take a negative one and step uphill)."""
+
+    @property
+    def learning_rate(self) -> mx.array:
+        value: mx.array = _MLX_LEARNING_RATE.fget(self)
+        return value
+
+    @learning_rate.setter
+    def learning_rate(self, value: float | mx.array) -> None:
+        validation.check_lr(value, "learning_rate")
+        _MLX_LEARNING_RATE.fset(self, value)
 
     def _set_state_dtype(self, state_dtype: Any, stochastic_rounding: Any) -> None:
         name = _dtype_name(state_dtype)

@@ -131,3 +131,24 @@ QHMUON_CASES = [e for e in INVALID if e.applies_to("qhm")]
 def test_qhmuon_rejects_the_table(entry: Invalid) -> None:
     with pytest.raises(entry.error, match=pattern(entry, NAMES["keras"][entry.param])):
         qk.QHMuon(**backend_kwargs("keras", "qhm", entry))
+
+
+@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHAdamW, qk.QHMuon])
+def test_a_learning_rate_set_later_is_checked_as_the_constructor_checks_it(cls: type) -> None:
+    # Callbacks (LearningRateScheduler, ReduceLROnPlateau) set it; Keras's own
+    # optimizers take a negative one and step uphill. The variable keeps its
+    # value; a valid number, an int and a concrete array are taken as floats.
+    opt = cls(learning_rate=0.01)
+    with pytest.raises(
+        ValueError, match=r"learning_rate must be in \[0, inf\); received learning_rate=-0.1"
+    ):
+        opt.learning_rate = -0.1
+    np.testing.assert_allclose(float(opt.learning_rate), 0.01, rtol=1e-6)
+    for value, want in ((0.5, 0.5), (1, 1.0), (np.array([0.25]), 0.25)):
+        opt.learning_rate = value
+        np.testing.assert_allclose(float(opt.learning_rate), want, rtol=1e-6)
+    callback = keras.callbacks.LearningRateScheduler(lambda epoch, lr: -lr)
+    callback.set_model(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    callback.model.compile(optimizer=opt, loss="mse")
+    with pytest.raises(ValueError, match=r"received learning_rate=-0.25"):
+        callback.on_epoch_begin(0)

@@ -64,3 +64,18 @@ QHMUON_CASES = [e for e in INVALID if e.applies_to("qhm")]
 def test_qhmuon_rejects_the_table(entry: Invalid) -> None:
     with pytest.raises(entry.error, match=pattern(entry, NAMES["mlx"][entry.param])):
         QHMuon(**backend_kwargs("mlx", "qhm", entry))
+
+
+@pytest.mark.parametrize("cls", [QHM, QHAdam, QHAdamW, QHMuon])
+def test_a_learning_rate_set_later_is_checked_as_the_constructor_checks_it(cls: type) -> None:
+    # MLX's own optimizers take a negative one and step uphill.
+    opt = cls(learning_rate=0.01)
+    with pytest.raises(
+        ValueError, match=r"learning_rate must be in \[0, inf\); received learning_rate=-0.1"
+    ):
+        opt.learning_rate = -0.1
+    assert opt.learning_rate.item() == pytest.approx(0.01)
+    opt.learning_rate = mx.array(0.5)
+    assert opt.learning_rate.item() == 0.5
+    with pytest.raises(ValueError, match=r"received learning_rate=nan"):
+        opt.learning_rate = mx.array(float("nan"))
