@@ -373,9 +373,17 @@ def check_real(is_complex: bool) -> None:
         raise ValueError("state_dtype applies to real parameters; received a complex one")
 
 
-def check_stochastic_rounding(value: object) -> None:
-    """``stochastic_rounding`` must be None or a bool."""
+def check_stochastic_rounding(value: object, state_dtype: str | None) -> None:
+    """``stochastic_rounding`` must be None or a bool, and True only for a state
+    stored in bfloat16 or 8 bits (``state_dtype``: the state dtype's name, None
+    for none): no other state is rounded stochastically, and a True that
+    changed nothing would read as if it did."""
     validation.check_optional_bool(value, "stochastic_rounding")
+    if value and state_dtype not in ("bfloat16", EIGHT_BIT):
+        raise ValueError(
+            "stochastic_rounding=True applies to a bfloat16 or 8-bit (uint8) state_dtype; "
+            f"received stochastic_rounding=True with state_dtype={state_dtype}"
+        )
 
 
 def stochastic_round_reference(values: Any, step: int, index: int) -> Any:

@@ -119,7 +119,17 @@ def test_a_state_dtype_outside_the_allowed_is_refused_with_the_values() -> None:
         rounding.check_state_dtype(None, "int8", allowed=("bfloat16", "float32"))
     rounding.check_state_dtype("bfloat16", "bfloat16", allowed=("bfloat16",))
     with pytest.raises(TypeError, match=r"received stochastic_rounding=1"):
-        rounding.check_stochastic_rounding(1)
+        rounding.check_stochastic_rounding(1, "bfloat16")
+    for name in ("bfloat16", "uint8"):
+        for value in (None, True, False):
+            rounding.check_stochastic_rounding(value, name)
+    for name in (None, "float16", "float32"):
+        rounding.check_stochastic_rounding(None, name)
+        rounding.check_stochastic_rounding(False, name)
+        with pytest.raises(
+            ValueError, match=rf"received stochastic_rounding=True with state_dtype={name}$"
+        ):
+            rounding.check_stochastic_rounding(True, name)
 
 
 # ----------------------------------------------------------- the 8-bit statement

@@ -249,7 +249,7 @@ class _NarrowState(optim.Optimizer):
         name = _dtype_name(state_dtype)
         allowed = tuple(_dtype_name(d) or "" for d in STATE_DTYPES)
         rounding.check_state_dtype(name, state_dtype, allowed=allowed, spelled="mx.")
-        rounding.check_stochastic_rounding(stochastic_rounding)
+        rounding.check_stochastic_rounding(stochastic_rounding, name)
         self.state_dtype, self.stochastic_rounding = state_dtype, stochastic_rounding
         self._stochastic = rounding.stochastic(name, stochastic_rounding)
 

@@ -91,8 +91,8 @@ _tell_flax_of_eight_bit()
 
 def checked_state_dtype(state_dtype: Any, stochastic_rounding: Any, **others: Any) -> Any:
     """The checked ``state_dtype`` (canonical), alone among the dtype arguments ``others``."""
-    rounding.check_stochastic_rounding(stochastic_rounding)
     if state_dtype is None:
+        rounding.check_stochastic_rounding(stochastic_rounding, None)
         return None
     try:
         name: str | None = jnp.dtype(state_dtype).name
@@ -100,6 +100,7 @@ def checked_state_dtype(state_dtype: Any, stochastic_rounding: Any, **others: An
         name = None
     allowed = (*rounding.STATE_DTYPES, rounding.EIGHT_BIT)
     rounding.check_state_dtype(name, state_dtype, allowed=allowed)
+    rounding.check_stochastic_rounding(stochastic_rounding, name)
     for other, value in others.items():
         if value is not None:
             raise ValueError(

@@ -182,6 +182,17 @@ def test_the_config_without_a_state_dtype_is_unchanged() -> None:
         ({"state_dtype": "int8"}, ValueError, r"state_dtype must be None or one of bfloat16"),
         ({"state_dtype": "no-such"}, ValueError, r"received state_dtype='no-such'"),
         ({"stochastic_rounding": 1}, TypeError, r"stochastic_rounding must be None or a bool"),
+        # True would change nothing where nothing is rounded stochastically.
+        (
+            {"stochastic_rounding": True},
+            ValueError,
+            r"received stochastic_rounding=True with state_dtype=None",
+        ),
+        (
+            {"state_dtype": "float32", "stochastic_rounding": True},
+            ValueError,
+            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=float32",
+        ),
     ],
 )
 @pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHAdamW])

@@ -163,6 +163,17 @@ def test_float16_state_is_refused_for_qhadams_second_moment(cls: type) -> None:
             r"one of mx\.bfloat16, .*; received state_dtype='bfloat16'",
         ),
         ({"stochastic_rounding": 1}, TypeError, r"stochastic_rounding must be None or a bool"),
+        # True would change nothing where nothing is rounded stochastically.
+        (
+            {"stochastic_rounding": True},
+            ValueError,
+            r"received stochastic_rounding=True with state_dtype=None",
+        ),
+        (
+            {"state_dtype": mx.float32, "stochastic_rounding": True},
+            ValueError,
+            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=float32",
+        ),
     ],
 )
 @pytest.mark.parametrize("cls", [qhmlx.QHM, qhmlx.QHAdam, qhmlx.QHAdamW])

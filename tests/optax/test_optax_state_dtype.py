@@ -167,6 +167,17 @@ def test_mu_dtype_still_casts_as_optax_adam_does() -> None:
         ({"state_dtype": "int8"}, ValueError, r"state_dtype must be None or one of bfloat16"),
         ({"state_dtype": "no-such-dtype"}, ValueError, r"received state_dtype='no-such-dtype'"),
         ({"stochastic_rounding": 1}, TypeError, r"stochastic_rounding must be None or a bool"),
+        # True would change nothing where nothing is rounded stochastically.
+        (
+            {"stochastic_rounding": True},
+            ValueError,
+            r"received stochastic_rounding=True with state_dtype=None",
+        ),
+        (
+            {"state_dtype": jnp.float32, "stochastic_rounding": True},
+            ValueError,
+            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=float32",
+        ),
         ({"state_dtype": BF16, "mu_dtype": jnp.float32}, ValueError, r"give one"),
     ],
 )

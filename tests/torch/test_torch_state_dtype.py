@@ -187,6 +187,17 @@ def test_stochastic_rounding_keeps_what_bfloat16_holds() -> None:
             r"one of torch\.bfloat16, .*torch\.uint8; received state_dtype='bfloat16'",
         ),
         ({"stochastic_rounding": 1}, TypeError, r"stochastic_rounding must be None or a bool"),
+        # True would change nothing where nothing is rounded stochastically.
+        (
+            {"stochastic_rounding": True},
+            ValueError,
+            r"received stochastic_rounding=True with state_dtype=None",
+        ),
+        (
+            {"state_dtype": F32, "stochastic_rounding": True},
+            ValueError,
+            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=float32",
+        ),
         ({"state_dtype": BF16, "capturable": True}, ValueError, r"not supported with capturable"),
         (
             {"state_dtype": BF16, "differentiable": True},
