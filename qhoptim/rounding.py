@@ -12,7 +12,9 @@ the float32 one on average.
 A bfloat16 number is the top 16 bits of a float32: adding 16 random bits to
 the bottom half of the float32's bits and cutting them off rounds up exactly
 that often (:func:`round_bits`). Values bfloat16 holds exactly (zero, inf)
-are unchanged.
+are unchanged, and a NaN stays a NaN of its sign (its top half, quiet): the
+noise would carry a NaN whose payload fills the bottom half into the sign or
+the exponent, making it 0 or an infinity.
 
 The random bits are counter-based, the same numbers in every backend:
 
@@ -52,6 +54,7 @@ __all__ = [
     "EIGHT_BIT_RUNG_SHIFT",
     "EIGHT_BIT_SMALLEST",
     "PYTHON",
+    "QUIET_NAN_BIT",
     "STATE_DTYPES",
     "Bits",
     "bfloat16_bits",
@@ -69,6 +72,7 @@ __all__ = [
     "eight_bit_rung_offset",
     "eight_bit_value",
     "index_spread",
+    "is_nan_bits",
     "mix32",
     "noise16",
     "round_bits",
@@ -96,6 +100,11 @@ INDEX_MULTIPLIER = 0x85EBCA6B
 MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 #: The bits of a float32 a bfloat16 keeps.
 BFLOAT16_MASK = 0xFFFF0000
+#: A float32's bits without its sign, and the largest such bits that are not
+#: NaN's (infinity's); a NaN's quiet bit, which every backend's NaN keeps set.
+MAGNITUDE_MASK = 0x7FFFFFFF
+INFINITY_BITS = 0x7F800000
+QUIET_NAN_BIT = 0x00400000
 
 
 def _same(x: Any) -> Any:
@@ -180,10 +189,22 @@ def noise16(positions: Any, seed: Any, bits: Bits = PYTHON) -> Any:
     return mix32(x, bits) & bits.const(0xFFFF)
 
 
+def is_nan_bits(float32_bits: Any, bits: Bits = PYTHON) -> Any:
+    """1 where ``float32_bits`` are a NaN's, else 0 (in the bits' integer type):
+    the magnitude's bits above infinity's, read off the sign of their
+    difference, so that any backend's integers compute it without a select."""
+    magnitude = float32_bits & bits.const(MAGNITUDE_MASK)
+    return bits.shift(bits.wrap(bits.const(INFINITY_BITS) - magnitude), 31)
+
+
 def _carried(float32_bits: Any, noise: Any, bits: Bits) -> Any:
     # Adding ``noise`` (below ``2**16``) carries into the kept half with
     # probability equal to the dropped half's share of a unit in the last place.
-    return bits.wrap(float32_bits + noise)
+    # A NaN takes no noise (a payload in the dropped half would carry into its
+    # sign or exponent) and keeps its quiet bit set, so that its top half is a NaN.
+    nan = is_nan_bits(float32_bits, bits)
+    carried = bits.wrap(float32_bits + noise * (bits.const(1) - nan))
+    return carried | nan * bits.const(QUIET_NAN_BIT)
 
 
 def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:

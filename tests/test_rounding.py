@@ -81,6 +81,24 @@ def test_values_bfloat16_holds_are_kept() -> None:
     assert np.array_equal(rounded.view(np.uint32), exact.view(np.uint32))
 
 
+def test_a_nan_stays_a_nan_of_its_sign_whatever_its_payload() -> None:
+    # Arithmetic's NaNs (0x7FC00000, x86's 0xFFC00000) have nothing in the
+    # dropped half; NaNs made from bits may fill it, and the noise then carried
+    # into the sign (0x7FFFFFFF -> -0) or left an infinity (0x7F800001 -> inf).
+    patterns = [0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF80FFFF, 0x7FBFFFFF]
+    payloads = np.array(patterns, dtype=np.uint32)
+    x = np.tile(payloads, 512).view(np.float32)  # many noises for each
+    for step in (1, 2, 3):
+        top = rounding.stochastic_round_reference(x, step, 4)
+        stored = (top.astype(np.uint32) << 16).view(np.float32)
+        assert np.isnan(stored).all()
+        assert np.array_equal(np.signbit(stored), np.signbit(x))
+        # The top half of the NaN, its quiet bit set: the same NaN at every step.
+        assert np.array_equal(top, ((x.view(np.uint32) >> 16) | 0x0040).astype(np.uint16))
+    assert rounding.is_nan_bits(0x7F800000) == 0 and rounding.is_nan_bits(0x7F800001) == 1
+    assert rounding.is_nan_bits(0xFF800000) == 0 and rounding.is_nan_bits(0xFFFFFFFF) == 1
+
+
 def test_the_noise_differs_between_steps_states_and_elements() -> None:
     x = np.full(4096, 1.0 + 2.0**-8, dtype=np.float32)  # halfway: rounds up half the time
     draws = {

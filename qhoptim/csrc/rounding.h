@@ -58,11 +58,15 @@ inline uint32_t hash32_of_key(uint32_t seed, uint32_t key) {
 // The bits of the bfloat16 that `value` rounds to under `seed` at `key`
 // (bfloat16_bits): the float32's low half plus 16 random bits carries into
 // the kept half exactly as often as the low half is large, which makes the
-// rounding unbiased.
+// rounding unbiased. A NaN takes no noise and keeps its quiet bit set
+// (is_nan_bits): a payload in the low half would carry into its sign or
+// exponent. Arithmetic, not a branch: the loops that call it vectorize.
 inline uint16_t bfloat16_bits(float value, uint32_t seed, uint32_t key) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
-  return static_cast<uint16_t>((bits + (hash32_of_key(seed, key) & 0xFFFFu)) >> 16);
+  const uint32_t nan = (0x7F800000u - (bits & 0x7FFFFFFFu)) >> 31;
+  const uint32_t noise = (hash32_of_key(seed, key) & 0xFFFFu) * (1u - nan);
+  return static_cast<uint16_t>(((bits + noise) | nan << 22) >> 16);
 }
 
 }  // namespace qhoptim::rounding

@@ -122,6 +122,8 @@ class QHMuon(CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
         learning_rate = learning_rate_value(learning_rate)
         super().__init__(learning_rate=learning_rate, nesterov=True, **kwargs)
         weight_decay = 0.0 if self.weight_decay is None else self.weight_decay
+        for name in ("muon_a", "muon_b", "muon_c"):  # Keras's names: each its own argument
+            validation.check_finite(validation.require_real(getattr(self, name), name), name)
         validation.check_qhmuon(
             lr=learning_rate,
             momentum=self.momentum,

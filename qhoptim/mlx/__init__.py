@@ -837,7 +837,7 @@ class QHMuon(_NarrowState):
         )
         state["momentum_buffer"] = _stored(new_buf, buf.dtype, noise)
         lr = self.learning_rate.astype(gradient.dtype)
-        if direction.ndim < 2:
+        if direction.ndim < 2 or direction.size == 0:  # an empty matrix steps as nothing
             stepped: mx.array = rules.apply_update(parameter, direction, lr)
             return stepped
         matrix = direction.reshape(direction.shape[0], -1)

@@ -27,7 +27,11 @@ from torch.optim.optimizer import (
 
 from qhoptim import validation
 from qhoptim.torch import _extension, _fused, _state_dtype
-from qhoptim.torch._state_dict import check_state_dict
+from qhoptim.torch._state_dict import (
+    check_state_dict,
+    groups_with_dtype_names,
+    groups_with_dtypes,
+)
 from qhoptim.torch._tensors import (
     copy_count,
     runs_triton,
@@ -36,6 +40,8 @@ from qhoptim.torch._tensors import (
 )
 
 _DTYPE = operator.attrgetter("dtype")
+# The key of a pickled optimizer's state dtypes (NarrowStateOptimizer.__getstate__).
+_STORED_AS = "_qhoptim_stored_as"
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _TORCH_FLAGS = {
@@ -405,6 +411,47 @@ class NarrowStateOptimizer(Optimizer):
                 # whose shape check_state_dict matched the saved record to.
                 state[_state_dtype.PARAM_SHAPE] = _state_dtype.shape_record(p)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy or a pickle carries the dtype each group's state is stored in
+        # (its record's, which a group's state_dtype changed since the last
+        # step does not yet match), by position: the records are by identity.
+        checked = self.__dict__.get("_checked_groups", {})
+        stored_as = []
+        for group in self.param_groups:
+            record = checked.get(id(group))
+            known = record is not None and record.group is group
+            stored_as.append(record.state_dtype if known else group.get("state_dtype"))
+        return {**super().__getstate__(), _STORED_AS: stored_as}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's load_state_dict comes here too, with the state and groups alone.
+        state = dict(state)
+        stored_as = state.pop(_STORED_AS, None)
+        super().__setstate__(state)
+        wanted = [group.get("state_dtype") for group in self.param_groups]
+        if stored_as is not None:  # a state_dtype changed before the copy, not yet converted:
+            for group, dtype in zip(self.param_groups, stored_as, strict=True):
+                group["state_dtype"] = dtype  # what the state is stored in, for the upgrade
+        self._upgrade_groups()
+        self._checked_groups: dict[int, _CheckedGroup] = {}
+        for group, dtype in zip(self.param_groups, wanted, strict=True):
+            self._remember_checked(group)
+            group["state_dtype"] = dtype  # ... converted by the next step, as the original's
+
+    def _upgrade_groups(self) -> None:
+        """Fill in what the groups of an older pickle or state dict lack."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, as torch's ``state_dict``: each param group's
+        ``state_dtype`` (and QHMuon's ``ns_dtype``) written as its name,
+        ``"torch.bfloat16"``, so that the state dict holds only numbers, bools,
+        strings, None and tensors, as torch's own optimizers' do
+        (``torch.distributed.checkpoint`` flattens and offloads such state
+        dicts). :meth:`load_state_dict` reads the names back, and takes the
+        dtypes themselves too."""
+        state_dict = super().state_dict()
+        return {**state_dict, "param_groups": groups_with_dtype_names(state_dict["param_groups"])}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the optimizer state, after checking it fits this optimizer.
 
@@ -424,6 +471,7 @@ class NarrowStateOptimizer(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = groups_with_dtypes(state_dict)
         check_state_dict(self, state_dict)
         # Concrete scalars in the saved groups as floats, as in add_param_group.
         state_dict = {
@@ -447,7 +495,7 @@ class NarrowStateOptimizer(Optimizer):
             if group.get("state_dtype") != dtype:
                 self._convert_state(group, dtype)
                 group["stochastic_rounding"] = stochastic
-        self._checked_groups: dict[int, _CheckedGroup] = {}
+        self._checked_groups = {}
         for group in self.param_groups:  # checked by check_state_dict
             self._remember_checked(group)
 
@@ -612,8 +660,7 @@ class QHOptimizer(NarrowStateOptimizer):
         group["decoupled_weight_decay"] = decoupled
         return group
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+    def _upgrade_groups(self) -> None:
         for i, group in enumerate(self.param_groups):
             # Older state dicts (qhoptim 1.1.0's included) lack torch's flags.
             for flag, default in _TORCH_FLAGS.items():

@@ -51,9 +51,14 @@ def _check_ns_dtype(ns_dtype: Any) -> None:
         raise ValueError(f"ns_dtype must be one of {names}; received ns_dtype={ns_dtype!r}")
 
 
-def _check_matrices(params: list[Tensor]) -> None:
+def _check_matrix_gradient(grad: Tensor) -> None:
+    if grad.ndim != 2:
+        raise ValueError(f"QHMuon's gradients must be matrices; received shape {tuple(grad.shape)}")
+
+
+def _check_matrices(params: list[Any]) -> None:
     for p in params:
-        if p.ndim != 2:
+        if isinstance(p, Tensor) and p.ndim != 2:
             raise ValueError(
                 "QHMuon optimizes 2-D parameters only (matrices of hidden layers; "
                 "give biases, norms and embeddings to QHAdam or AdamW); received a "
@@ -100,8 +105,7 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
 
     _GROUP_KEYS = ("lr", "weight_decay", "momentum", "nu", "ns_coefficients", "eps", "ns_steps")
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+    def _upgrade_groups(self) -> None:
         for group in self.param_groups:
             group.setdefault("state_dtype", None)  # pickled before it was an option
             group.setdefault("stochastic_rounding", None)
@@ -111,6 +115,11 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
     @staticmethod
     def _check_group(group: dict[str, Any]) -> None:
         numbers_only({k: group[k] for k in ("weight_decay", "momentum", "nu", "eps")})
+        coefficients = group["ns_coefficients"]
+        if isinstance(coefficients, (tuple, list)):
+            numbers_only({f"ns_coefficients[{i}]": c for i, c in enumerate(coefficients)})
+        else:
+            numbers_only({"ns_coefficients": coefficients})
         validation.check_qhmuon(
             lr=lr_value(group["lr"]),
             momentum=group["momentum"],
@@ -136,7 +145,8 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
                 params = [params]
             elif not isinstance(params, set):  # torch's own error for a set
                 params = list(params)
-            _check_matrices([p for p in params if isinstance(p, Tensor)])
+            # A named parameter (torch's ("name", tensor) pairs) is checked too.
+            _check_matrices([p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params])
             param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
         if hasattr(self, "defaults"):
@@ -168,6 +178,7 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
                     raise RuntimeError("QHMuon does not support complex parameters")
                 if p.grad.is_sparse:
                     raise RuntimeError("QHMuon does not support sparse gradients")
+                _check_matrix_gradient(p.grad)
             gathered.append(params)
         for group, params in zip(self.param_groups, gathered, strict=True):
             if not params:
@@ -230,11 +241,9 @@ def qhmuon(
     """
     lr = float(lr) if isinstance(lr, Tensor) else lr
     c = rules.qhm_coefficients(momentum, nu)
+    for grad in grads:  # all first: a refused gradient leaves every parameter as it was
+        _check_matrix_gradient(grad)
     for param, grad, buffer in zip(params, grads, momentum_buffers, strict=True):
-        if grad.ndim != 2:
-            raise ValueError(
-                f"QHMuon's gradients must be matrices; received shape {tuple(grad.shape)}"
-            )
         if maximize:
             grad = -grad
         buffer.lerp_(grad, c.grad_to_buffer)

@@ -17,6 +17,46 @@ from torch import Tensor
 
 from qhoptim.torch import _state_dtype
 
+#: The param-group keys whose values are torch dtypes (QHMuon's ``ns_dtype``,
+#: every optimizer's ``state_dtype``).
+DTYPE_KEYS = ("state_dtype", "ns_dtype")
+_TORCH_PREFIX = "torch."
+
+
+def groups_with_dtype_names(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` (a state dict's) with each torch dtype written as its name,
+    ``"torch.bfloat16"``: a state dict holds numbers, bools, strings, None and
+    tensors, as torch's optimizers' do, which is what
+    ``torch.distributed.checkpoint`` flattens and offloads (a dtype it refuses)."""
+    return [
+        {k: str(v) if isinstance(v, torch.dtype) else v for k, v in group.items()}
+        if any(isinstance(v, torch.dtype) for v in group.values())
+        else group
+        for group in groups
+    ]
+
+
+def groups_with_dtypes(state_dict: Any) -> Any:
+    """``state_dict`` with the dtype names :func:`groups_with_dtype_names` wrote
+    read back as torch dtypes (checkpoints that hold the dtypes themselves, as
+    earlier versions wrote them, load as they are); anything else unchanged,
+    for :func:`check_state_dict` to judge."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        return state_dict
+
+    def read(key: str, value: Any) -> Any:
+        if key in DTYPE_KEYS and isinstance(value, str) and value.startswith(_TORCH_PREFIX):
+            dtype = getattr(torch, value.removeprefix(_TORCH_PREFIX), None)
+            if isinstance(dtype, torch.dtype):
+                return dtype
+        return value
+
+    groups = [
+        {k: read(k, v) for k, v in group.items()} if isinstance(group, dict) else group
+        for group in state_dict["param_groups"]
+    ]
+    return {**state_dict, "param_groups": groups}
+
 
 def cast_complex_state(param: Tensor, state: dict[str, Any]) -> None:
     """Cast a complex parameter's loaded state to its precision.

@@ -227,8 +227,12 @@ def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> No
     for a in range(0, x.numel(), NOISE_VALUES):
         b = min(a + NOISE_VALUES, x.numel())
         noise = hash32(seed, start + a, start + b, x.device).to(torch.int32)
-        # rounding.round_bits, in int32 (two's complement wraps as uint32 would)
-        bits = noise.add_(x[a:b].view(torch.int32))  # src is not written
+        # rounding.round_bits, in int32 (two's complement wraps as uint32 would);
+        # a NaN takes no noise and keeps its quiet bit (rounding._carried)
+        float32_bits = x[a:b].view(torch.int32)  # src is not written
+        nan = torch.isnan(x[a:b])
+        quiet = nan.to(torch.int32).mul_(rounding.QUIET_NAN_BIT)
+        bits = noise.masked_fill_(nan, 0).add_(float32_bits).bitwise_or_(quiet)
         # The top half as the bfloat16's bits: a conversion of the float32
         # would write its own NaN (0xFFFF where the rule keeps 0x7FC0).
         out[a:b].view(torch.int16).copy_(bits.bitwise_right_shift_(16))

@@ -328,7 +328,9 @@ def _store_state(ptr, offs, mask, value, n, seeds, t, k, SIGNED, NARROW, DTYPE, 
     and each value one of the two levels around it
     (rounding.eight_bit_encode_reference and rounding.eight_bit_code)."""
     if NARROW == 1:
-        bits = value.to(tl.float32).to(tl.uint32, bitcast=True) + _noise16(offs, seeds, t, k)
+        bits = value.to(tl.float32).to(tl.uint32, bitcast=True)
+        nan = (0x7F800000 - (bits & 0x7FFFFFFF)) >> 31  # a NaN: no noise, quiet (rounding)
+        bits = (bits + _noise16(offs, seeds, t, k) * (1 - nan)) | (nan << 22)
         tl.store(ptr + offs, (bits >> 16).to(tl.uint16), mask=mask)
     elif NARROW == 2:
         scales, codes = _eight_bit_parts(ptr, n)

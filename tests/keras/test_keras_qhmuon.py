@@ -103,6 +103,9 @@ def test_configuration_round_trips_and_names() -> None:
         ({"learning_rate": -1.0}, ValueError, r"learning_rate must be in \[0, inf\)"),
         ({"ns_steps": 100}, ValueError, r"ns_steps must be in \[0, 100\); received ns_steps=100"),
         ({"nesterov": False}, TypeError, "QHMuon takes nu instead of nesterov"),
+        # Keras's three Newton-Schulz arguments, each by its own name.
+        ({"muon_a": float("nan")}, ValueError, r"^muon_a must be a finite real number; received"),
+        ({"muon_c": "x"}, TypeError, r"^muon_c must be a real number"),
         # The other variables' AdamW settings, which Keras's Muon takes unchecked.
         ({"adam_beta_1": 1.5}, ValueError, r"adam_beta_1 must be in \[0, 1\)"),
         ({"adam_beta_2": -1.0}, ValueError, r"adam_beta_2 must be in \[0, 1\)"),

@@ -81,6 +81,18 @@ def test_vectors_take_qhm_direction() -> None:
     np.testing.assert_array_equal(np.array(a["bias"]), np.array(b["bias"]))
 
 
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0, 0), (0, 3, 3)])
+def test_an_empty_matrix_steps_as_nothing(shape: tuple[int, ...]) -> None:
+    # As in the other backends (and MLX's Muon): the other parameters step.
+    params = {"empty": mx.zeros(shape), "other": mx.ones((3, 2))}
+    grads = {"empty": mx.zeros(shape), "other": mx.ones((3, 2))}
+    opt = QHMuon(0.1)
+    stepped = opt.apply_gradients(grads, params)
+    mx.eval(stepped)
+    assert stepped["empty"].shape == shape
+    assert not np.array_equal(np.array(stepped["other"]), np.ones((3, 2)))
+
+
 def test_state_resumes_bit_for_bit() -> None:
     whole = _run(QHMuon(0.02, nu=0.7), _arrays(0), 10)
     first = QHMuon(0.02, nu=0.7)

@@ -200,6 +200,41 @@ def test_an_empty_matrix_steps_as_nothing(shape: tuple[int, int]) -> None:
     assert empty.shape == shape and not torch.equal(other, torch.ones(3, 2))
 
 
+def test_a_named_parameter_that_is_no_matrix_is_refused_as_an_unnamed_one() -> None:
+    # torch's named parameters, ("name", tensor) pairs, as torch's Muon refuses them.
+    w, b = torch.ones(4, 3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"2-D parameters only .* shape \(3,\)"):
+        QHMuon([("w", w), ("b", b)], lr=0.1)
+    opt = QHMuon([("w", w)], lr=0.1)
+    with pytest.raises(ValueError, match=r"2-D parameters only .* shape \(3,\)"):
+        opt.add_param_group({"params": [("b", b)]})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_step_with_a_gradient_that_is_no_matrix_changes_nothing() -> None:
+    # A parameter made 1-D after construction (its .data replaced): the step
+    # refuses its gradient before any parameter moves or has state.
+    w, v = torch.ones(4, 3, requires_grad=True), torch.ones(2, 2, requires_grad=True)
+    opt = QHMuon([{"params": [w]}, {"params": [v]}], lr=0.1)
+    v.data = torch.ones(5)
+    w.grad, v.grad = torch.ones(4, 3), torch.ones(5)
+    with pytest.raises(ValueError, match=r"gradients must be matrices; received shape \(5,\)"):
+        opt.step()
+    assert torch.equal(w, torch.ones(4, 3)) and not opt.state
+
+
+@pytest.mark.parametrize(
+    "coefficients",
+    [(torch.tensor(3.4445), -4.775, 2.0315), torch.tensor([3.4445, -4.775, 2.0315])],
+    ids=["an-element", "the-whole"],
+)
+def test_tensor_newton_schulz_coefficients_are_refused_as_other_tensors_are(
+    coefficients: Any,
+) -> None:
+    with pytest.raises(TypeError, match=r"ns_coefficients(\[0\])? must be a Python number"):
+        QHMuon(_params(), lr=0.02, ns_coefficients=coefficients)
+
+
 # ------------------------------------------------------------------ state_dtype
 BF16, U8 = torch.bfloat16, torch.uint8
 

@@ -25,6 +25,8 @@ from qhoptim import rounding
 from qhoptim.torch import QHM, QHAdam, QHAdamW, _state_dtype
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+# NaNs made from bits, whose payloads fill the half bfloat16 drops (as uint32).
+NAN_PAYLOADS = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F80FFFF]
 CLASSES = {"qhm": QHM, "qhadam": QHAdam, "qhadamw": QHAdamW}
 CONFIGS: list[tuple[type, dict[str, Any]]] = [
     (QHM, {"lr": 0.1, "momentum": 0.9, "nu": 0.7}),
@@ -233,6 +235,8 @@ def test_the_fused_kernel_and_the_other_paths_draw_the_same_noise() -> None:
     # depend on the tests run before it in the process.
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(5000, generator=gen) * 1e-3, torch.randn(7, generator=gen)]
+    # NaNs the step's arithmetic carries through, to be stored as NaNs.
+    grads[0].view(torch.int32)[[100, 200, 300]] = torch.tensor(NAN_PAYLOADS).to(torch.int32)
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     opt = QHM(params, lr=0.0, momentum=0.0, nu=0.7, fused=True, state_dtype=BF16)
     for p, g in zip(params, grads, strict=True):
@@ -241,7 +245,8 @@ def test_the_fused_kernel_and_the_other_paths_draw_the_same_noise() -> None:
     for position, (p, g) in enumerate(zip(params, grads, strict=True)):
         want = torch.empty_like(g, dtype=BF16)
         _state_dtype.stochastic_round_(want, g, _state_dtype.rounding_seed(1, 4 * position))
-        assert torch.equal(opt.state[p]["momentum_buffer"], want)
+        stored = opt.state[p]["momentum_buffer"]
+        assert torch.equal(stored.view(torch.int16), want.view(torch.int16))  # NaNs' bits too
         assert not torch.equal(want, g.to(BF16))  # some values were rounded up
         # ... and both are the rule every backend follows (qhoptim.rounding).
         reference = rounding.stochastic_round_reference(g.numpy(), 1, 4 * position)
@@ -259,8 +264,11 @@ def test_both_roundings_are_the_rule_every_backend_follows(
         monkeypatch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
     monkeypatch.setattr(_state_dtype, "NOISE_VALUES", 1000)
     g = torch.randn(5000, generator=torch.Generator().manual_seed(5)) * 1e-3
-    # NaN's bits too: the rule's 0x7FC0, where a conversion wrote its own.
+    # NaN's bits too: the rule's 0x7FC0, where a conversion wrote its own; and
+    # NaNs whose payload fills the dropped half, which the noise must not carry
+    # into the sign or the exponent.
     g[[10, 20, 30]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    g.view(torch.int32)[[40, 50, 60]] = torch.tensor(NAN_PAYLOADS).to(torch.int32)
     seed = _state_dtype.rounding_seed(7, 4 * 3 + 1)
     whole = torch.empty_like(g, dtype=BF16)
     _state_dtype.stochastic_round_(whole, g, seed)

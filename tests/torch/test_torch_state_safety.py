@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +209,68 @@ def test_state_dicts_load_with_weights_only(name: str) -> None:
     _assert_same(twin.state_dict(), opt.state_dict())
 
 
+DTYPED = {
+    "QHM-8-bit": lambda ps: QHM(ps, lr=0.5, state_dtype=torch.uint8),
+    "QHAdam-bfloat16": lambda ps: QHAdam(ps, lr=0.01, state_dtype=torch.bfloat16),
+    "QHMuon": lambda ps: QHMuon(ps, lr=0.01),  # its ns_dtype, a dtype too
+}
+
+
+def _float32_trained(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> Any:
+    model = torch.nn.Linear(24, 16, bias=False)  # a matrix: QHMuon's too
+    opt = make(list(model.parameters()))
+    for seed in range(2):
+        model(torch.randn(4, 24, generator=torch.Generator().manual_seed(seed))).sum().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("name", list(DTYPED))
+def test_a_state_dict_holds_dtypes_by_name_and_distributed_checkpoint_takes_it(
+    name: str,
+) -> None:
+    # torch.distributed.checkpoint flattens and offloads state dicts of numbers,
+    # bools, strings, None and tensors (torch's optimizers'), and refused one
+    # holding a torch.dtype; the dtypes are written as their names and read back.
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, opt = _float32_trained(DTYPED[name])
+    groups = opt.state_dict()["param_groups"]
+    assert not any(isinstance(v, torch.dtype) for g in groups for v in g.values())
+    assert all(isinstance(g.get("state_dtype", "torch.x"), (str, type(None))) for g in groups)
+    for options in (StateDictOptions(full_state_dict=True), StateDictOptions(cpu_offload=True)):
+        saved = get_optimizer_state_dict(model, opt, options=options)
+        twin_model = copy.deepcopy(model)
+        twin = DTYPED[name](list(twin_model.parameters()))
+        set_optimizer_state_dict(twin_model, twin, saved, options=options)
+        for key in ("state_dtype", "ns_dtype"):
+            assert twin.param_groups[0].get(key) == opt.param_groups[0].get(key)
+        # (its round trip makes the groups' tuples lists, torch Adam's betas too)
+        twin_state, state = twin.state_dict()["state"], opt.state_dict()["state"]
+        _assert_same(
+            {"param_groups": [], "state": twin_state}, {"param_groups": [], "state": state}
+        )
+
+
+@pytest.mark.parametrize("name", list(DTYPED))
+def test_a_state_dict_holding_the_dtypes_themselves_loads(name: str) -> None:
+    # As earlier versions wrote them.
+    _, opt = _float32_trained(DTYPED[name])
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        for key in ("state_dtype", "ns_dtype"):
+            if isinstance(group.get(key), str):
+                group[key] = getattr(torch, group[key].removeprefix("torch."))
+    _, twin = _float32_trained(DTYPED[name])
+    twin.load_state_dict(saved)
+    assert isinstance(twin.param_groups[0]["state_dtype"], (torch.dtype, type(None)))
+    _assert_same(twin.state_dict(), opt.state_dict())
+
+
 def test_a_tensor_lr_state_dict_loads_with_weights_only() -> None:
     params = _params()
     opt = QHAdam(params, lr=torch.tensor(0.01))
@@ -354,14 +417,29 @@ STATE_DTYPE_CHANGES = [
 ]
 
 
+def _copied(opt: torch.optim.Optimizer, how: str) -> torch.optim.Optimizer:
+    if how == "deepcopy":
+        return copy.deepcopy(opt)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(opt))
+    return opt
+
+
 @pytest.mark.parametrize("make", [QHM, QHAdam, QHMuon], ids=["QHM", "QHAdam", "QHMuon"])
 @pytest.mark.parametrize(("was", "now"), STATE_DTYPE_CHANGES, ids=str)
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [("as-is", "as-is"), ("deepcopy", "as-is"), ("pickle", "as-is"), ("as-is", "deepcopy")],
+    ids=["original", "copied", "pickled", "changed-then-copied"],
+)
 def test_a_group_s_state_dtype_changed_converts_its_state_as_loading_does(
-    make: Callable[..., torch.optim.Optimizer], was: Any, now: Any
+    make: Callable[..., torch.optim.Optimizer], was: Any, now: Any, before: str, after: str
 ) -> None:
     # The next step converts the group's state, as load_state_dict converts a
     # checkpoint saved with another state_dtype: the two optimizers then step
-    # alike, bit for bit.
+    # alike, bit for bit. So does a copy's, or a pickled optimizer's, changed
+    # before or after it was copied (the copy knows what its state is stored
+    # in, as the original does).
     gen = torch.Generator().manual_seed(5)
     shapes = [(16, 24), (24, 16)]  # matrices: QHMuon's too
     kwargs = {"lr": 0.1} if make is QHM else {}
@@ -383,7 +461,10 @@ def test_a_group_s_state_dtype_changed_converts_its_state_as_loading_does(
         for a, b in zip(loaded_params, params, strict=True):
             a.copy_(b)
     loaded.load_state_dict(copy.deepcopy(changed.state_dict()))  # as a checkpoint: no aliases
+    changed = _copied(changed, before)
     changed.param_groups[1]["state_dtype"] = now
+    changed = _copied(changed, after)
+    params = [group["params"][0] for group in changed.param_groups]
     for g in grads[2:]:
         for opt, ps in ((changed, params), (loaded, loaded_params)):
             for p, gi in zip(ps, g, strict=True):

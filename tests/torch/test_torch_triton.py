@@ -360,6 +360,24 @@ def test_an_8_bit_block_near_float32s_overflow_is_stored_by_the_rule() -> None:
     assert np.array_equal(stored, _stored_by_the_rule(g, torch.uint8, True, 1, 0))
 
 
+def test_a_nan_whatever_its_payload_is_stored_as_a_nan_by_the_rule() -> None:
+    # QHM with momentum 0 stores the gradient itself. NaNs made from bits fill
+    # the half bfloat16 drops; the rule adds them no noise (which carried one
+    # into the sign, 0x7FFFFFFF -> -0) and keeps them quiet.
+    g = torch.randn(300, generator=torch.Generator().manual_seed(6))
+    payloads = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7F80FFFF, 0x7FC00000]).to(torch.int32)
+    g.view(torch.int32)[[3, 100, 200, 299]] = payloads
+    p = torch.nn.Parameter(torch.zeros(300, device=DEVICE))
+    opt = QHM([p], lr=0.0, momentum=0.0, nu=1.0, fused=True, state_dtype=torch.bfloat16)
+    p.grad = g.to(DEVICE)
+    opt.step()
+    stored = opt.state[p]["momentum_buffer"].cpu().contiguous()
+    assert stored[[3, 100, 200, 299]].isnan().all()
+    assert np.array_equal(
+        stored.view(torch.uint8).numpy(), _stored_by_the_rule(g, torch.bfloat16, True, 1, 0)
+    )
+
+
 def _nvidia_backend() -> bool:
     try:
         import triton.backends.nvidia  # noqa: F401
