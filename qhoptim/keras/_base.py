@@ -107,6 +107,15 @@ class _PerVariableStep(CheckedLearningRate, keras.optimizers.Optimizer):  # type
         name = _narrow.checked_state_dtype(state_dtype, stochastic_rounding)
         self.state_dtype, self.stochastic_rounding = name, stochastic_rounding
 
+    def build(self, var_list: Any) -> None:
+        if not self.built and self.state_dtype is not None:
+            # Every slot's dtype checked before Keras marks the optimizer built
+            # and any slot exists: a refused build leaves nothing half-made,
+            # and the next step raises the same error.
+            for variable in var_list:
+                _narrow.slot_dtype(self.state_dtype, variable.dtype)
+        super().build(var_list)
+
     def _add_slots(self, var_list: Any, names: Any) -> Any:
         """``add_optimizer_variables``, the slots in ``state_dtype`` if one is set."""
         self._building_slots = True

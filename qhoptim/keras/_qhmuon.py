@@ -174,6 +174,12 @@ class QHMuon(CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
             self._slot_dtype = None
 
     def build(self, var_list: Any) -> None:
+        if not self.built and self.state_dtype is not None:
+            # Every slot's dtype checked before Keras marks the optimizer built
+            # and any slot exists: a refused build leaves nothing half-made.
+            for variable in var_list:
+                if not self._should_use_adamw(variable):
+                    _narrow.slot_dtype(self.state_dtype, variable.dtype)
         self._building_slots = True
         try:
             super().build(var_list)

@@ -223,6 +223,21 @@ def test_a_slot_wider_than_its_variable_is_refused() -> None:
         opt.build([keras.Variable(np.zeros((3, 2)), dtype="float16", name="w")])
 
 
+def test_a_refused_first_step_leaves_nothing_built_and_is_refused_again() -> None:
+    # A matrix whose slot can follow, then one whose slot cannot: the refusal
+    # comes before Keras marks the optimizer built or makes any slot, so the
+    # next step is refused alike and no variable moves.
+    a = keras.Variable(np.ones((3, 2)), dtype="float32", name="a")
+    w = keras.Variable(np.ones((3, 2)), dtype="float16", name="w")
+    opt = qk.QHMuon(learning_rate=0.02, state_dtype="float32")
+    grads = [keras.ops.ones((3, 2)), keras.ops.ones((3, 2), dtype="float16")]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="wider than a parameter's dtype float16"):
+            opt.apply(grads, [a, w])
+        assert not opt.built and int(opt.iterations) == 0
+        assert np.array_equal(np.asarray(a), np.ones((3, 2)))
+
+
 # ------------------------------------------------------------------------ Lion
 @pytest.mark.parametrize(("b1", "b2"), [(0.9, 0.99), (0.95, 0.98)])
 def test_keras_lion_is_sign_qhm(b1: float, b2: float) -> None:

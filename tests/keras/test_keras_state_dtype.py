@@ -214,6 +214,22 @@ def test_slots_wider_than_their_variable_are_refused() -> None:
         opt.build([keras.Variable(np.zeros(3), dtype="float16")])
 
 
+@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam])
+def test_a_refused_first_step_leaves_nothing_built_and_is_refused_again(cls: type) -> None:
+    # A variable whose slots can follow, then one whose slots cannot: the
+    # refusal comes before Keras marks the optimizer built or makes any slot,
+    # so the next step is refused alike (it found no slot lists) and nothing moves.
+    a = keras.Variable(np.ones(3), dtype="float32", name="a")
+    w = keras.Variable(np.ones(3), dtype="float16", name="w")
+    opt = cls(1e-2, state_dtype="float32")
+    grads = [ops.ones((3,)), ops.ones((3,), dtype="float16")]
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"wider than a parameter's dtype float16"):
+            opt.apply(grads, [a, w])
+        assert not opt.built and int(opt.iterations) == 0
+        assert np.array_equal(np.asarray(a), np.ones(3))
+
+
 def _optimizer(case: Any, **options: Any) -> keras.optimizers.Optimizer:
     hp = case.hparams
     wd = hp["weight_decay"] if case.weight_decay_mode == "decoupled" else None
