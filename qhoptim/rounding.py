@@ -100,10 +100,12 @@ INDEX_MULTIPLIER = 0x85EBCA6B
 MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 #: The bits of a float32 a bfloat16 keeps.
 BFLOAT16_MASK = 0xFFFF0000
-#: A float32's bits without its sign, and the largest such bits that are not
-#: NaN's (infinity's); a NaN's quiet bit, which every backend's NaN keeps set.
+#: A float32's bits without its sign.
 MAGNITUDE_MASK = 0x7FFFFFFF
+#: The largest magnitude bits that are not a NaN's: infinity's.
 INFINITY_BITS = 0x7F800000
+#: A float32 NaN's quiet bit, which the rounding sets in every NaN it stores
+#: (the top half of a NaN with it set is a bfloat16 NaN).
 QUIET_NAN_BIT = 0x00400000
 
 
