@@ -42,6 +42,7 @@ __all__ = [
     "check_lr",
     "check_nu",
     "check_nu2",
+    "check_one_number",
     "check_pair",
     "check_qhadam",
     "check_qhm",
@@ -281,6 +282,23 @@ def check_bool(value: T, name: str) -> T:
     """
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool; received {name}={value!r}")
+    return value
+
+
+def check_one_number(value: T, name: str) -> T:
+    """A hyperparameter a backend folds into its step as one number (MLX's
+    compiled steps take Python numbers): an array of several elements, which
+    optax broadcasts against its leaf, is refused here, in the shared shape::
+
+        ValueError: momentum must be one number; received an array of shape (4,)
+    """
+    shape = getattr(value, "shape", ())
+    try:
+        shape = tuple(int(n) for n in shape)
+    except TypeError:  # not an array's shape
+        return value
+    if math.prod(shape) > 1:
+        raise ValueError(f"{name} must be one number; received an array of shape {shape}")
     return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -122,3 +123,12 @@ def test_check_bool_refuses_everything_else(value, shown) -> None:
     with pytest.raises(TypeError) as info:
         v.check_bool(value, "amsgrad")
     assert str(info.value) == f"amsgrad must be a bool; received amsgrad={value!r}"
+
+
+def test_one_number_is_a_scalar_or_an_array_of_one() -> None:
+    for value in (0.5, np.float32(0.5), np.array(0.5), np.array([0.5]), np.ones((1, 1)), "x"):
+        assert v.check_one_number(value, "momentum") is value
+    for shape in [(4,), (2, 3)]:
+        message = f"momentum must be one number; received an array of shape {shape}"
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            v.check_one_number(np.ones(shape), "momentum")

@@ -100,6 +100,13 @@ def _dtype_name(dtype: Any) -> str | None:
     return str(dtype).rsplit(".", 1)[-1] if isinstance(dtype, mx.Dtype) else None
 
 
+def _one_number_each(**hyperparameters: Any) -> None:
+    """The compiled steps take each hyperparameter as one Python number (as
+    MLX's own optimizers do, which accept an array and fail at the step)."""
+    for name, value in hyperparameters.items():
+        validation.check_one_number(value, name)
+
+
 def _working(state: mx.array, param: mx.array) -> mx.array:
     """A stored state in the parameter's dtype, the dtype of the step's arithmetic."""
     return state if state.dtype == param.dtype else state.astype(param.dtype)
@@ -492,6 +499,7 @@ class QHM(_QHOptimizer):
             names={"lr": "learning_rate"},
         )
         validation.check_bool(decoupled_weight_decay, "decoupled_weight_decay")
+        _one_number_each(momentum=momentum, nu=nu, weight_decay=weight_decay)
         super().__init__()  # type: ignore[no-untyped-call]
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
         # Concrete scalars (a NumPy float, a 0-d array) as the Python floats they hold.
@@ -614,6 +622,11 @@ class QHAdam(_QHOptimizer):
                 "nu1": "nus[0]",
                 "nu2": "nus[1]",
             },
+        )
+        _one_number_each(
+            **{"betas[0]": b1, "betas[1]": b2, "nus[0]": nu1, "nus[1]": nu2},
+            eps=eps,
+            weight_decay=weight_decay,
         )
         super().__init__()  # type: ignore[no-untyped-call]
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
@@ -807,6 +820,7 @@ class QHMuon(_NarrowState):
             raise ValueError(
                 f"ns_dtype must be None or one of {names}; received ns_dtype={ns_dtype!r}"
             )
+        _one_number_each(momentum=momentum, nu=nu, weight_decay=weight_decay)
         super().__init__()  # type: ignore[no-untyped-call]
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
         self.momentum, self.nu = validation.as_float(momentum), validation.as_float(nu)

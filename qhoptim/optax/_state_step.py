@@ -104,6 +104,10 @@ def stepped_states(
     """
     if not pending:
         return []
+    if any(np.ndim(w) > 0 for w in weights):
+        # A hyperparameter of several elements (broadcast against its leaf, as
+        # optax allows): the call takes one number per weight.
+        return [leaf.in_xla() for leaf in pending]
     stored = [x for leaf in pending for x in leaf.stored]
     eight_bit = target == _extension.EIGHT_BIT_TARGET
     if eight_bit and any(

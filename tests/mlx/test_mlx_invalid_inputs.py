@@ -46,6 +46,27 @@ def test_arrays_and_schedules_are_passed_through(learning_rate) -> None:
         assert opt.learning_rate.size == 1
 
 
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda a: QHM(0.1, momentum=a), "momentum"),
+        (lambda a: QHM(0.1, nu=a), "nu"),
+        (lambda a: QHAdam(0.1, betas=(a, 0.999)), r"betas\[0\]"),
+        (lambda a: QHAdamW(0.1, nus=(0.7, a)), r"nus\[1\]"),
+        (lambda a: QHAdam(0.1, weight_decay=a), "weight_decay"),
+        (lambda a: QHMuon(0.1, nu=a), "nu"),
+    ],
+)
+def test_a_hyperparameter_array_of_several_elements_is_refused(make, name: str) -> None:
+    # The compiled steps take each as one number (MLX's own optimizers accept
+    # an array and fail at the step); a one-element array is that number.
+    with pytest.raises(
+        ValueError, match=rf"^{name} must be one number; received an array of shape \(4,\)"
+    ):
+        make(mx.array([0.1, 0.3, 0.5, 0.7]))
+    make(mx.array([0.5]))
+
+
 @pytest.mark.parametrize("value", [1, 0, "yes", None, mx.array(True)], ids=repr)
 @pytest.mark.parametrize("cls", [QHAdam, QHAdamW])
 def test_amsgrad_must_be_a_bool_as_in_the_reference(cls: type, value) -> None:

@@ -104,6 +104,31 @@ def test_the_rounding_is_the_rule_every_backend_follows(fused: bool) -> None:
         assert not np.array_equal(stored, np.asarray(g.astype(BF16)).view(np.uint16))
 
 
+@pytest.mark.parametrize("state_dtype", [BF16, U8], ids=["bfloat16", "8-bit"])
+@pytest.mark.parametrize("fused", [None, *FUSED], ids=["default", "xla", "fused"])
+def test_hyperparameters_of_several_elements_step_with_a_narrow_state(
+    state_dtype: Any, fused: bool | None
+) -> None:
+    # optax lets a hyperparameter broadcast against its leaf; the C++ state
+    # step takes one number per weight, so such a step takes XLA's operations,
+    # with the same bits (it crashed in the call).
+    params = {"w": jnp.zeros(300)}
+    betas = jnp.linspace(0.5, 0.99, 300, dtype=jnp.float32)
+    grads = _grads(params, 0)
+    for make in (
+        lambda **kw: qho.qhadam(1e-2, b1=betas, b2=betas, nu1=0.7, **kw),
+        lambda **kw: qho.qhm(0.1, momentum=betas, nu=0.7, **kw),
+    ):
+        runs = []
+        for options in ({"fused": fused}, {"fused": False}):
+            tx = make(state_dtype=state_dtype, **options)
+            state = tx.init(params)
+            for _ in range(2):
+                updates, state = jax.jit(tx.update)(grads, state, params)
+            runs.append(np.asarray(updates["w"]))
+        assert np.isfinite(runs[0]).all() and np.array_equal(runs[0], runs[1])
+
+
 NARROW = [
     pytest.param({"state_dtype": BF16, "fused": False}, id="bfloat16"),
     pytest.param({"state_dtype": BF16, "fused": True}, id="bfloat16-fused", marks=FUSED[1].marks),
