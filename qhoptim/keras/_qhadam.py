@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import keras
 
 from qhoptim import convert, rounding, validation
@@ -84,6 +86,16 @@ class QHAdam(QHOptimizer):
     """
 
     _RULE = "qhadam"
+    _CHECKS = MappingProxyType(
+        {
+            "beta_1": validation.check_beta,
+            "beta_2": validation.check_beta,
+            "nu_1": validation.check_nu,
+            "nu_2": validation.check_nu2,
+            "epsilon": validation.check_eps,
+            "weight_decay": validation.check_weight_decay,
+        }
+    )
 
     def __init__(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import keras
 
 from qhoptim import convert, validation
@@ -68,6 +70,13 @@ class QHM(QHOptimizer):
     """
 
     _RULE = "qhm"
+    _CHECKS = MappingProxyType(
+        {
+            "momentum": validation.check_beta,
+            "nu": validation.check_nu,
+            "weight_decay": validation.check_weight_decay,
+        }
+    )
 
     def __init__(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from types import MappingProxyType
 from typing import Any
 
 import keras
@@ -11,7 +12,13 @@ from keras import ops
 
 from qhoptim import convert, rounding, rules, validation
 from qhoptim.keras import _narrow
-from qhoptim.keras._base import CheckedLearningRate, as_float, learning_rate_value
+from qhoptim.keras._base import (
+    CheckedHyperparameters,
+    CheckedLearningRate,
+    as_float,
+    documented,
+    learning_rate_value,
+)
 
 __all__ = ["QHMuon"]
 
@@ -51,8 +58,13 @@ def _muon_keeps_a_slot_per_index() -> bool:
     return len(inspect.signature(step._muon_update_step).parameters) == 5
 
 
+def _check_coefficient(value: Any, name: str) -> Any:
+    return validation.check_finite(validation.require_real(value, name), name)
+
+
 @keras.saving.register_keras_serializable(package="qhoptim")
-class QHMuon(CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
+@documented
+class QHMuon(CheckedHyperparameters, CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
     r"""Muon with quasi-hyperbolic momentum: ``keras.optimizers.Muon`` plus ``nu``.
 
     For each variable Keras's Muon steps with Muon (2-D variables but
@@ -89,7 +101,8 @@ class QHMuon(CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
         **kwargs: every other argument of ``keras.optimizers.Muon`` (``momentum``,
             ``ns_steps``, ``muon_a``/``muon_b``/``muon_c``, ``weight_decay``,
             ``rms_rate``, the ``adam_*`` settings, ``exclude_layers``, ...),
-            but ``nesterov``, which ``nu`` replaces.
+            but ``nesterov``, which ``nu`` replaces; and Keras's base keywords:
+        {{base_optimizer_keyword_args}}
 
     Needs the Muon of recent Keras (which hands each variable's momentum to
     its step: Keras 3.13 and later); an earlier one is refused with the version found.
@@ -97,6 +110,22 @@ class QHMuon(CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
 
     momentum: float
     nu: float
+    _CHECKS = MappingProxyType(
+        {
+            "momentum": validation.check_beta,
+            "nu": validation.check_nu,
+            "weight_decay": validation.check_weight_decay,
+            "muon_a": _check_coefficient,
+            "muon_b": _check_coefficient,
+            "muon_c": _check_coefficient,
+            "adam_beta_1": validation.check_beta,
+            "adam_beta_2": validation.check_beta,
+            "epsilon": validation.check_eps,
+            "adam_weight_decay": validation.check_weight_decay,
+            "adam_lr_ratio": validation.check_lr,
+            "rms_rate": validation.check_lr,
+        }
+    )
     # The dtype of the momentum slot being made (None: its variable's), while
     # ``build`` makes the slots.
     _slot_dtype: str | None = None
@@ -123,7 +152,7 @@ class QHMuon(CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
         super().__init__(learning_rate=learning_rate, nesterov=True, **kwargs)
         weight_decay = 0.0 if self.weight_decay is None else self.weight_decay
         for name in ("muon_a", "muon_b", "muon_c"):  # Keras's names: each its own argument
-            validation.check_finite(validation.require_real(getattr(self, name), name), name)
+            _check_coefficient(getattr(self, name), name)
         validation.check_qhmuon(
             lr=learning_rate,
             momentum=self.momentum,

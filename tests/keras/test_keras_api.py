@@ -45,6 +45,15 @@ def test_is_a_registered_keras_optimizer(cls: type) -> None:
     assert keras.saving.get_registered_object(name) is cls
 
 
+def test_qhmuon_documents_keras_base_keywords() -> None:
+    # Its own arguments are Keras Muon's (**kwargs); the base keywords are listed.
+    doc = qk.QHMuon.__doc__ or ""
+    assert "{{" not in doc
+    for arg in ["learning_rate", *BASE_KWARGS, "clipvalue", "global_clipnorm"]:
+        assert f"{arg}:" in doc, arg
+    assert keras.saving.get_registered_object("qhoptim>QHMuon") is qk.QHMuon
+
+
 @pytest.mark.parametrize("cls", CLASSES)
 def test_docstring_documents_every_argument(cls: type) -> None:
     doc = cls.__doc__

@@ -133,6 +133,41 @@ def test_qhmuon_rejects_the_table(entry: Invalid) -> None:
         qk.QHMuon(**backend_kwargs("keras", "qhm", entry))
 
 
+SET_LATER = [
+    (qk.QHM, "momentum", 1.0, r"momentum must be in \[0, 1\); received momentum=1.0"),
+    (qk.QHM, "nu", float("nan"), r"nu must be a finite real number; received nu=nan"),
+    (qk.QHM, "weight_decay", -1.0, r"weight_decay must be in \[0, inf\)"),
+    (qk.QHAdam, "beta_1", 1.5, r"beta_1 must be in \[0, 1\); received beta_1=1.5"),
+    (qk.QHAdam, "beta_2", -0.1, r"beta_2 must be in \[0, 1\)"),
+    (qk.QHAdam, "nu_1", float("inf"), r"nu_1 must be a finite real number"),
+    (qk.QHAdamW, "nu_2", 1.5, r"nu_2 must be in \[0, 1\]; received nu_2=1.5"),
+    (qk.QHAdamW, "epsilon", -1e-8, r"epsilon must be in \[0, inf\)"),
+    (qk.QHMuon, "momentum", 1.0, r"momentum must be in \[0, 1\)"),
+    (qk.QHMuon, "muon_a", float("nan"), r"muon_a must be a finite real number"),
+    (qk.QHMuon, "adam_beta_1", 2.0, r"adam_beta_1 must be in \[0, 1\)"),
+    (qk.QHMuon, "rms_rate", -0.2, r"rms_rate must be in \[0, inf\)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "value", "message"),
+    SET_LATER,
+    ids=[f"{c.__name__}-{n}" for c, n, _, _ in SET_LATER],
+)
+def test_a_hyperparameter_set_later_is_checked_as_the_constructor_checks_it(
+    cls: type, name: str, value: float, message: str
+) -> None:
+    # Keras's own optimizers take opt.beta_1 = 1.5 and step by it. The value
+    # before stays; a valid one is taken as given.
+    opt = cls(learning_rate=0.01)
+    before = getattr(opt, name)
+    with pytest.raises(ValueError, match=message):
+        setattr(opt, name, value)
+    assert getattr(opt, name) == before
+    setattr(opt, name, np.float32(0.5))
+    assert getattr(opt, name) == 0.5
+
+
 @pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHAdamW, qk.QHMuon])
 def test_a_learning_rate_set_later_is_checked_as_the_constructor_checks_it(cls: type) -> None:
     # Callbacks (LearningRateScheduler, ReduceLROnPlateau) set it; Keras's own
