@@ -1,11 +1,15 @@
 """qhoptim 1.1.0's import path: ``from qhoptim.pyt import QHM, QHAdam, QHAdamW``.
 
 Drop-ins for qhoptim 1.1.0's classes, built on :mod:`qhoptim.torch`: 1.1.0's
-positional arguments, names and defaults -- QHM's ``weight_decay_type``,
+positional arguments and names -- QHM's ``weight_decay_type`` (1.1.0's
+``"grad"`` where neither it nor ``decoupled_weight_decay`` is given),
 QHAdam's ``decouple_weight_decay`` (read without a warning here) and
 ``QHAdamW``'s ``weight_decay=0`` -- with everything :mod:`qhoptim.torch` adds
-as keyword arguments. New code should use :mod:`qhoptim.torch` (see
-``docs/torch.md``, "Migrating from qhoptim 1.1.0").
+as keyword arguments (``decoupled_weight_decay`` too; a legacy spelling that
+says otherwise is refused). QHM's ``momentum`` and ``nu``, which 1.1.0
+required, default to the paper's 0.999 and 0.7, as in :mod:`qhoptim.torch`.
+New code should use :mod:`qhoptim.torch` (see ``docs/torch.md``, "Migrating
+from qhoptim 1.1.0").
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ class QHM(_torch.QHM):
         momentum: float = 0.999,
         nu: float = 0.7,
         weight_decay: float = 0.0,
-        weight_decay_type: str = "grad",
+        weight_decay_type: str | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
-            params, lr, momentum, nu, weight_decay, weight_decay_type=weight_decay_type, **kwargs
-        )
+        # None: 1.1.0's "grad", unless decoupled_weight_decay says otherwise.
+        if weight_decay_type is not None:
+            kwargs["weight_decay_type"] = weight_decay_type
+        super().__init__(params, lr, momentum, nu, weight_decay, **kwargs)
 
 
 class QHAdam(_torch.QHAdam):
@@ -57,20 +62,14 @@ class QHAdam(_torch.QHAdam):
         betas: tuple[float, float] = (0.9, 0.999),
         nus: tuple[float, float] = (1.0, 1.0),
         weight_decay: float = 0.0,
-        decouple_weight_decay: bool = False,
+        decouple_weight_decay: bool | None = None,
         eps: float = 1e-8,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
-            params,
-            lr,
-            betas,
-            nus,
-            weight_decay,
-            eps=eps,
-            decouple_weight_decay=decouple_weight_decay,
-            **kwargs,
-        )
+        # None: 1.1.0's False, unless decoupled_weight_decay says otherwise.
+        if decouple_weight_decay is not None:
+            kwargs["decouple_weight_decay"] = decouple_weight_decay
+        super().__init__(params, lr, betas, nus, weight_decay, eps=eps, **kwargs)
 
 
 class QHAdamW(_torch.QHAdamW):

@@ -650,6 +650,12 @@ class QHOptimizer(NarrowStateOptimizer):
         group = dict(group)
         value = group.pop(key)
         decoupled = self._decoupled_from_legacy(value)
+        if group.get("decoupled_weight_decay") is True and not decoupled:
+            # Both spellings, disagreeing: neither is silently dropped.
+            raise ValueError(
+                f"{key}={value!r} means decoupled_weight_decay=False, and "
+                "decoupled_weight_decay=True was given too; give one"
+            )
         if warn and self._WARN_LEGACY:
             warnings.warn(
                 f"{type(self).__name__}: {key}={value!r} is deprecated; "

@@ -159,6 +159,20 @@ def _check_param_state(
             )
 
 
+def _other_optimizers_keys(optimizer: Any) -> set[str]:
+    """The group keys of the other qhoptim.torch optimizers that ``optimizer``'s lack:
+    every class under the one that first declares ``_GROUP_KEYS``."""
+    classes = type(optimizer).__mro__
+    root = next(c for c in reversed(classes) if "_GROUP_KEYS" in vars(c))
+    found: set[str] = set()
+    todo: list[Any] = [root]
+    while todo:
+        cls = todo.pop()
+        found.update(cls._GROUP_KEYS)
+        todo.extend(cls.__subclasses__())
+    return found - set(optimizer._GROUP_KEYS)
+
+
 def check_state_dict(optimizer: Any, state_dict: Any) -> None:
     """Refuse a state dict that does not fit ``optimizer`` (a ``QHOptimizer``):
     ``TypeError`` or ``ValueError`` naming what is wrong, before anything is loaded.
@@ -196,6 +210,13 @@ def check_state_dict(optimizer: Any, state_dict: Any) -> None:
             raise ValueError(
                 f"{what}: param group {i} lacks {missing}; is this the state dict "
                 f"of another optimizer? {name} needs {list(optimizer._GROUP_KEYS)}"
+            )
+        # A QHMuon group holds all of QHM's keys: what marks it is its own.
+        foreign = sorted(k for k in _other_optimizers_keys(optimizer) if k in saved)
+        if foreign:
+            raise ValueError(
+                f"{what}: param group {i} holds {foreign}, which {name} does not take; "
+                "is this the state dict of another optimizer?"
             )
         optimizer._check_group({**optimizer.defaults, **saved})
         params.update(zip(saved["params"], group["params"], strict=True))

@@ -52,6 +52,23 @@ def test_pyt_keeps_the_1_1_0_import_path_names_and_defaults() -> None:
     assert qhadamw.defaults["decoupled_weight_decay"] is True
 
 
+@pytest.mark.parametrize("name", ["QHM", "QHAdam"])
+def test_pyt_takes_decoupled_weight_decay_and_refuses_a_spelling_that_disagrees(
+    name: str,
+) -> None:
+    # qhoptim.pyt passed 1.1.0's default spelling ("grad", False) always, and
+    # decoupled_weight_decay=True was silently taken as L2 decay.
+    from qhoptim import pyt
+
+    cls = getattr(pyt, name)
+    opt = cls(_params(), lr=0.1, weight_decay=0.1, decoupled_weight_decay=True)
+    assert opt.defaults["decoupled_weight_decay"] is True
+    assert cls(_params(), lr=0.1, weight_decay=0.1).defaults["decoupled_weight_decay"] is False
+    legacy = {"weight_decay_type": "grad"} if name == "QHM" else {"decouple_weight_decay": False}
+    with pytest.raises(ValueError, match=r"means decoupled_weight_decay=False, .*give one"):
+        cls(_params(), lr=0.1, decoupled_weight_decay=True, **legacy)
+
+
 def test_qhadamw_is_a_class_with_decoupled_decay() -> None:
     opt = QHAdamW(_params())
     assert isinstance(opt, QHAdam)

@@ -72,6 +72,36 @@ def test_a_state_dict_of_another_optimizer_is_refused(target: str, source: str) 
     _assert_same(opt.state_dict(), before)
 
 
+MATRICES = {
+    "QHM": lambda ps: QHM(ps, lr=0.5, momentum=0.95, nu=0.7),
+    "QHAdam": lambda ps: QHAdam(ps, lr=0.01),
+    "QHMuon": lambda ps: QHMuon(ps, lr=0.02, momentum=0.95, weight_decay=0.1),
+    "torch Muon": lambda ps: torch.optim.Muon(ps, lr=0.02),
+}
+
+
+@pytest.mark.parametrize(
+    ("target", "source"),
+    [(t, s) for t in ("QHM", "QHAdam", "QHMuon") for s in MATRICES if s != t],
+)
+def test_a_state_dict_of_another_optimizer_on_matrices_is_refused(target: str, source: str) -> None:
+    # A QHMuon group holds every key QHM's needs (and its state a momentum
+    # buffer): its own keys (ns_coefficients, ...) tell it apart, or its
+    # decoupled decay would load as QHM's coupled one.
+    def trained(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> Any:
+        params = [torch.nn.Parameter(torch.ones(4, 3))]
+        opt = make(params)
+        params[0].grad = torch.full((4, 3), 0.5)
+        opt.step()
+        return opt
+
+    opt = trained(MATRICES[target])
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="another optimizer"):
+        opt.load_state_dict(trained(MATRICES[source]).state_dict())
+    _assert_same(opt.state_dict(), before)
+
+
 def _corrupt_cases() -> list[tuple[str, str, Callable[[dict[str, Any]], None], type, str]]:
     def set_state(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
         def apply(sd: dict[str, Any]) -> None:
