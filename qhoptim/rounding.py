@@ -113,6 +113,10 @@ def _same(x: Any) -> Any:
     return x
 
 
+def _python_select(condition: Any, if_true: Any, if_false: Any) -> Any:
+    return if_true if condition else if_false
+
+
 class Bits(NamedTuple):
     """How a backend does unsigned 32-bit arithmetic.
 
@@ -120,12 +124,15 @@ class Bits(NamedTuple):
     backend's integer type (JAX refuses a Python int above ``2**31 - 1``
     beside a uint32 array); ``wrap(x)`` reduces a sum or product to 32 bits
     (identity for uint32 arrays, which wrap; ``x & 0xFFFFFFFF`` for Python
-    ints and int64 tensors); ``shift(x, n)`` is the logical right shift.
+    ints and int64 tensors); ``shift(x, n)`` is the logical right shift;
+    ``select(c, a, b)`` is ``a`` where ``c`` holds, else ``b`` (``np.where``,
+    ``jnp.where``, ...; a conditional expression for Python ints).
     """
 
     const: Callable[[int], Any] = _same
     wrap: Callable[[Any], Any] = _same
     shift: Callable[[Any, int], Any] = operator.rshift
+    select: Callable[[Any, Any, Any], Any] = _python_select
 
 
 #: Python ints (and int64 arrays holding values below 2**32).
@@ -204,9 +211,12 @@ def _carried(float32_bits: Any, noise: Any, bits: Bits) -> Any:
     # probability equal to the dropped half's share of a unit in the last place.
     # A NaN takes no noise (a payload in the dropped half would carry into its
     # sign or exponent) and keeps its quiet bit set, so that its top half is a NaN.
-    nan = is_nan_bits(float32_bits, bits)
-    carried = bits.wrap(float32_bits + noise * (bits.const(1) - nan))
-    return carried | nan * bits.const(QUIET_NAN_BIT)
+    # Selections on one comparison, not products or masks of is_nan_bits: the
+    # fewest operations per element in XLA's and MLX's loops (a product with
+    # the noise made XLA's bfloat16 steps 15-30% slower on the CPU).
+    nan = (float32_bits & bits.const(MAGNITUDE_MASK)) > bits.const(INFINITY_BITS)
+    carried = bits.wrap(float32_bits + bits.select(nan, bits.const(0), noise))
+    return bits.select(nan, float32_bits | bits.const(QUIET_NAN_BIT), carried)
 
 
 def round_bits(float32_bits: Any, noise: Any, bits: Bits = PYTHON) -> Any:
@@ -419,7 +429,7 @@ def stochastic_round_reference(values: Any, step: int, index: int) -> Any:
     # Flat, in row-major order (NumPy's 0-d arithmetic gives scalars, which
     # warn where arrays wrap), and back in the values' shape.
     flat = np.ascontiguousarray(x.reshape(-1))
-    u32 = Bits(const=np.uint32)
+    u32 = Bits(const=np.uint32, select=np.where)
     seed = np.uint32(rounding_seed(step, index))
     positions = np.arange(flat.size, dtype=np.uint32)
     top = bfloat16_bits(flat.view(np.uint32), noise16(positions, seed, u32), u32)
@@ -471,7 +481,7 @@ def eight_bit_encode_reference(
     low = np.clip(np.searchsorted(levels, ratio, side="right") - 1, 0, levels.size - 2)
     below, above = levels[low], levels[low + 1]
     if stochastic:
-        u32 = Bits(const=np.uint32)
+        u32 = Bits(const=np.uint32, select=np.where)
         positions = np.arange(start, start + n, dtype=np.uint32)  # below 2**32
         threshold = noise16(positions, np.uint32(seed), u32).astype(np.float32) / np.float32(65536)
     else:

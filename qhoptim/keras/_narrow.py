@@ -22,6 +22,7 @@ from qhoptim.keras._settings import BACKEND
 _BITS = rounding.Bits(
     const=lambda c: ops.convert_to_tensor(c, "uint32"),
     shift=lambda x, n: ops.right_shift(x, ops.convert_to_tensor(n, "uint32")),
+    select=ops.where,
 )
 
 

@@ -70,7 +70,7 @@ LearningRate = float | mx.array | Callable[[mx.array], mx.array]
 
 
 # MLX's uint32 arrays wrap; the constants are made as uint32 arrays.
-_BITS = rounding.Bits(const=lambda c: mx.array(c, dtype=mx.uint32))
+_BITS = rounding.Bits(const=lambda c: mx.array(c, dtype=mx.uint32), select=mx.where)
 
 #: What a parameter's stochastic rounding reads (_NarrowState._noise): its
 #: elements' flat positions and the seed of each of its states.

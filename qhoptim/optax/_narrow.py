@@ -18,7 +18,7 @@ from qhoptim import rounding
 from qhoptim.optax._tree import canonical_dtype, leaves_like
 
 # JAX's uint32 arrays wrap; a Python int above 2**31 - 1 beside one is refused.
-_BITS = rounding.Bits(const=lambda c: jnp.asarray(c, jnp.uint32))
+_BITS = rounding.Bits(const=lambda c: jnp.asarray(c, jnp.uint32), select=jnp.where)
 
 
 @jax.tree_util.register_pytree_node_class

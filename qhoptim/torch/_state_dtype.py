@@ -72,7 +72,7 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 # torch has no uint32 arithmetic: values below 2**32 in int64, products
 # wrapped back (an int64 product past 2**63 wraps too; its low 32 bits are exact).
-_INT64_BITS = rounding.Bits(wrap=lambda x: x & _MASK32)
+_INT64_BITS = rounding.Bits(wrap=lambda x: x & _MASK32, select=torch.where)
 
 
 def check_state_dtype(group: dict[str, Any]) -> None:
