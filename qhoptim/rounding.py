@@ -199,11 +199,9 @@ def noise16(positions: Any, seed: Any, bits: Bits = PYTHON) -> Any:
 
 
 def is_nan_bits(float32_bits: Any, bits: Bits = PYTHON) -> Any:
-    """1 where ``float32_bits`` are a NaN's, else 0 (in the bits' integer type):
-    the magnitude's bits above infinity's, read off the sign of their
-    difference, so that any backend's integers compute it without a select."""
-    magnitude = float32_bits & bits.const(MAGNITUDE_MASK)
-    return bits.shift(bits.wrap(bits.const(INFINITY_BITS) - magnitude), 31)
+    """Where ``float32_bits`` are a NaN's (the backend's booleans): the
+    magnitude's bits above infinity's."""
+    return (float32_bits & bits.const(MAGNITUDE_MASK)) > bits.const(INFINITY_BITS)
 
 
 def _carried(float32_bits: Any, noise: Any, bits: Bits) -> Any:
@@ -214,7 +212,7 @@ def _carried(float32_bits: Any, noise: Any, bits: Bits) -> Any:
     # Selections on one comparison, not products or masks of is_nan_bits: the
     # fewest operations per element in XLA's and MLX's loops (a product with
     # the noise made XLA's bfloat16 steps 15-30% slower on the CPU).
-    nan = (float32_bits & bits.const(MAGNITUDE_MASK)) > bits.const(INFINITY_BITS)
+    nan = is_nan_bits(float32_bits, bits)
     carried = bits.wrap(float32_bits + bits.select(nan, bits.const(0), noise))
     return bits.select(nan, float32_bits | bits.const(QUIET_NAN_BIT), carried)
 

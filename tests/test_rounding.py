@@ -95,8 +95,8 @@ def test_a_nan_stays_a_nan_of_its_sign_whatever_its_payload() -> None:
         assert np.array_equal(np.signbit(stored), np.signbit(x))
         # The top half of the NaN, its quiet bit set: the same NaN at every step.
         assert np.array_equal(top, ((x.view(np.uint32) >> 16) | 0x0040).astype(np.uint16))
-    assert rounding.is_nan_bits(0x7F800000) == 0 and rounding.is_nan_bits(0x7F800001) == 1
-    assert rounding.is_nan_bits(0xFF800000) == 0 and rounding.is_nan_bits(0xFFFFFFFF) == 1
+    assert not rounding.is_nan_bits(0x7F800000) and rounding.is_nan_bits(0x7F800001)
+    assert not rounding.is_nan_bits(0xFF800000) and rounding.is_nan_bits(0xFFFFFFFF)
 
 
 def test_the_noise_differs_between_steps_states_and_elements() -> None:
