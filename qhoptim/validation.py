@@ -27,10 +27,11 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
 
 __all__ = [
+    "CheckedAttributes",
     "as_float",
     "check_beta",
     "check_bool",
@@ -504,3 +505,21 @@ def check_qhmuon(
     _check_ns_steps(ns_steps, n["ns_steps"])
     _check_ns_coefficients(ns_coefficients, n["ns_coefficients"])
     check_choice(adjust_lr_fn, n["adjust_lr_fn"], [None, *adjustments])
+
+
+class CheckedAttributes:
+    """Hyperparameters set after construction (``opt.beta_1 = 1.5``) checked
+    as the constructor checks them, where a framework's own optimizers take
+    such a value unchecked and step by it (Keras's, MLX's). A refused value
+    leaves the one before; an accepted one is kept as given. ``_CHECKS``:
+    each attribute's check, a function of the value and its name (this
+    module's); ``None`` passes (Keras's ``weight_decay`` takes it). The
+    constructor's own first assignment is not checked again."""
+
+    _CHECKS: ClassVar[Mapping[str, Callable[[Any, str], Any]]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        check = self._CHECKS.get(name)
+        if check is not None and name in self.__dict__ and value is not None:
+            check(value, name)
+        super().__setattr__(name, value)

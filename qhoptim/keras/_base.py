@@ -11,8 +11,7 @@ that backend.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import keras
 from keras import ops
@@ -86,27 +85,8 @@ class CheckedLearningRate:
         keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate_value(value))
 
 
-class CheckedHyperparameters:
-    """Hyperparameters set after construction (``opt.beta_1 = 1.5``) checked
-    as the constructor checks them: Keras's optimizers take such a value
-    unchecked. A refused value leaves the one before; an accepted one is
-    kept as given (a tensor or a variable takes the step's generic path, a
-    Python number the fused one). ``_CHECKS``: each attribute's check (a
-    ``validation`` function of the value and its name); ``None`` passes where
-    the constructor takes it (Keras's ``weight_decay``)."""
-
-    _CHECKS: ClassVar[Mapping[str, Callable[[Any, str], Any]]] = {}
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        check = self._CHECKS.get(name)
-        # The constructor's own first assignment has been checked already.
-        if check is not None and name in self.__dict__ and value is not None:
-            check(value, name)
-        super().__setattr__(name, value)
-
-
 class _PerVariableStep(
-    CheckedHyperparameters,
+    validation.CheckedAttributes,
     CheckedLearningRate,
     keras.optimizers.Optimizer,  # type: ignore[misc]
 ):

@@ -13,7 +13,6 @@ from keras import ops
 from qhoptim import convert, rounding, rules, validation
 from qhoptim.keras import _narrow
 from qhoptim.keras._base import (
-    CheckedHyperparameters,
     CheckedLearningRate,
     as_float,
     documented,
@@ -64,7 +63,7 @@ def _check_coefficient(value: Any, name: str) -> Any:
 
 @keras.saving.register_keras_serializable(package="qhoptim")
 @documented
-class QHMuon(CheckedHyperparameters, CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
+class QHMuon(validation.CheckedAttributes, CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
     r"""Muon with quasi-hyperbolic momentum: ``keras.optimizers.Muon`` plus ``nu``.
 
     For each variable Keras's Muon steps with Muon (2-D variables but

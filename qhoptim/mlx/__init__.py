@@ -49,6 +49,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 try:
@@ -98,6 +99,30 @@ STATE_DTYPES = (mx.bfloat16, mx.float16, mx.float32, mx.float64)
 
 def _dtype_name(dtype: Any) -> str | None:
     return str(dtype).rsplit(".", 1)[-1] if isinstance(dtype, mx.Dtype) else None
+
+
+def _one_number(check: Callable[[Any, str], Any]) -> Callable[[Any, str], None]:
+    """``check``, for a value that must also be one number (:func:`_one_number_each`)."""
+
+    def checked(value: Any, name: str) -> None:
+        validation.check_one_number(value, name)
+        check(value, name)
+
+    return checked
+
+
+def _pair(
+    first: Callable[[Any, str], Any], second: Callable[[Any, str], Any]
+) -> Callable[[Any, str], None]:
+    """The checks of ``betas`` and ``nus``, each element by its name (``betas[0]``)."""
+
+    def checked(value: Any, name: str) -> None:
+        for i, (check, element) in enumerate(
+            zip((first, second), validation.check_pair(value, name), strict=True)
+        ):
+            _one_number(check)(element, f"{name}[{i}]")
+
+    return checked
 
 
 def _one_number_each(**hyperparameters: Any) -> None:
@@ -236,7 +261,7 @@ def _check_real(parameter: mx.array) -> None:
 _MLX_LEARNING_RATE: Any = vars(optim.Optimizer)["learning_rate"]
 
 
-class _NarrowState(optim.Optimizer):
+class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
     """What every optimizer here shares: the state's dtype (``state_dtype``),
     its rounding seeds, the conversion of a state loaded in another dtype, and
     a ``learning_rate`` set after construction checked as the constructor
@@ -479,6 +504,14 @@ class QHM(_QHOptimizer):
       1.6212
     """
 
+    _CHECKS = MappingProxyType(
+        {
+            "momentum": _one_number(validation.check_beta),
+            "nu": _one_number(validation.check_nu),
+            "weight_decay": _one_number(validation.check_weight_decay),
+        }
+    )
+
     def __init__(
         self,
         learning_rate: LearningRate,
@@ -588,6 +621,15 @@ class QHAdam(_QHOptimizer):
       >>> print(f"{mx.sum(params['x'] ** 2).item():.4f}")  # qhoptim.reference.QHAdam gives 10.69798
       10.6980
     """
+
+    _CHECKS = MappingProxyType(
+        {
+            "betas": _pair(validation.check_beta, validation.check_beta),
+            "nus": _pair(validation.check_nu, validation.check_nu2),
+            "eps": _one_number(validation.check_eps),
+            "weight_decay": _one_number(validation.check_weight_decay),
+        }
+    )
 
     def __init__(
         self,
@@ -790,6 +832,14 @@ class QHMuon(_NarrowState):
 
     State per parameter: ``momentum_buffer``.
     """
+
+    _CHECKS = MappingProxyType(
+        {
+            "momentum": _one_number(validation.check_beta),
+            "nu": _one_number(validation.check_nu),
+            "weight_decay": _one_number(validation.check_weight_decay),
+        }
+    )
 
     def __init__(
         self,

@@ -67,6 +67,35 @@ def test_a_hyperparameter_array_of_several_elements_is_refused(make, name: str) 
     make(mx.array([0.5]))
 
 
+SET_LATER = [
+    (QHM, "momentum", 1.0, r"momentum must be in \[0, 1\); received momentum=1.0"),
+    (QHM, "nu", float("nan"), r"nu must be a finite real number"),
+    (QHM, "weight_decay", -1.0, r"weight_decay must be in \[0, inf\)"),
+    (QHAdam, "betas", (1.5, 0.999), r"betas\[0\] must be in \[0, 1\); received betas\[0\]=1.5"),
+    (QHAdamW, "nus", (0.7, 1.5), r"nus\[1\] must be in \[0, 1\]"),
+    (QHAdam, "eps", -1e-8, r"eps must be in \[0, inf\)"),
+    (QHMuon, "momentum", 1.0, r"momentum must be in \[0, 1\)"),
+    (QHMuon, "nu", mx.array([0.1, 0.2]), r"nu must be one number"),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "value", "message"),
+    SET_LATER,
+    ids=[f"{c.__name__}-{n}" for c, n, _, _ in SET_LATER],
+)
+def test_a_hyperparameter_set_later_is_checked_as_the_constructor_checks_it(
+    cls: type, name: str, value: object, message: str
+) -> None:
+    # MLX's own optimizers take opt.momentum = 1.5 and step by it; the value
+    # before stays.
+    opt = cls(0.1)
+    before = getattr(opt, name)
+    with pytest.raises(ValueError, match=message):
+        setattr(opt, name, value)
+    assert getattr(opt, name) == before
+
+
 @pytest.mark.parametrize("value", [1, 0, "yes", None, mx.array(True)], ids=repr)
 @pytest.mark.parametrize("cls", [QHAdam, QHAdamW])
 def test_amsgrad_must_be_a_bool_as_in_the_reference(cls: type, value) -> None:
