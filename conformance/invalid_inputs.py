@@ -166,6 +166,20 @@ GOOD: dict[str, dict[str, Any]] = {
 }
 
 
+def assert_refused_when_set(optimizer: Any, name: str, value: Any, message: str) -> None:
+    """Setting ``optimizer.<name> = value`` after construction raises a
+    ``ValueError`` matching ``message`` and leaves the value before (the
+    backends whose attributes are checked again: Keras, MLX)."""
+    before = getattr(optimizer, name)
+    try:
+        setattr(optimizer, name, value)
+    except ValueError as error:
+        assert re.search(message, str(error)), (message, str(error))
+    else:
+        raise AssertionError(f"{name}={value!r} set after construction was taken")
+    assert getattr(optimizer, name) == before
+
+
 def backend_kwargs(backend: str, family: str, entry: Invalid) -> dict[str, Any]:
     """Valid keyword arguments of ``backend``'s ``family`` optimizer, with ``entry`` put in.
 
