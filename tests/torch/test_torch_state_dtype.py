@@ -198,7 +198,7 @@ def test_stochastic_rounding_keeps_what_bfloat16_holds() -> None:
         (
             {"state_dtype": F32, "stochastic_rounding": True},
             ValueError,
-            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=float32",
+            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=torch\.float32$",
         ),
         ({"state_dtype": BF16, "capturable": True}, ValueError, r"not supported with capturable"),
         (
@@ -801,6 +801,48 @@ def test_the_fused_8_bit_kernel_steps_as_the_working_copies_do(
         for k in STATE_KEYS:
             if k in fused.state[p]:
                 assert torch.equal(fused.state[p][k], copied.state[q][k]), k
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_the_fused_8_bit_kernel_finds_the_rules_scale_of_every_kind_of_block(
+    cls: type, kwargs: dict[str, Any], monkeypatch: Any
+) -> None:
+    # The kernel finds each block's scale from its largest magnitude as it
+    # steps it; the rule's scale is the largest finite, normal magnitude. Four
+    # blocks: ordinary values; subnormal ones only (scale 0, the rule's flush);
+    # an infinite gradient among ordinary ones (its own code, the others'
+    # scale); and a partial last block.
+    n = 3 * 256 + 40
+    subnormal, infinite = slice(256, 512), 600
+
+    def run(fused: bool) -> tuple[torch.optim.Optimizer, torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(3)
+        param = torch.nn.Parameter(torch.randn(n, generator=gen))
+        with torch.no_grad():
+            param[subnormal] = 0.0  # no weight decay's term in the gradient
+        grad = torch.randn(n, generator=gen)
+        grad[subnormal] *= 1e-40
+        grad[infinite] = float("inf")
+        param.grad = grad
+        opt = cls([param], **kwargs, fused=True, state_dtype=U8)
+        if not fused:
+            monkeypatch.setattr(_state_dtype, "in_fused_kernel", lambda *args: False)
+        opt.step()
+        monkeypatch.undo()
+        return opt, param
+
+    fused, p = run(True)
+    copied, q = run(False)
+    blocks = -(-n // 256)
+    for k in STATE_KEYS:
+        if k in fused.state[p]:
+            assert torch.equal(fused.state[p][k], copied.state[q][k]), k
+            scales = fused.state[p][k][: 4 * blocks].view(torch.float32)
+            assert float(scales[1]) == 0.0, k
+            decoded = fused.decoded_state(p)[k]
+            assert bool(decoded[infinite].isinf() | decoded[infinite].isnan()), k
+            rest = torch.cat([decoded[512:infinite], decoded[infinite + 1 : 768]])
+            assert float(scales[2]) > 0 and bool(rest.isfinite().all()), k
 
 
 @pytest.mark.parametrize("state_dtype", [BF16, U8], ids=["bfloat16", "8-bit"])

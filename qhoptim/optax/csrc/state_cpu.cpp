@@ -205,13 +205,20 @@ struct EightBitRule {
 };
 
 // The moving averages of `len` values of a block, decoded into `local`,
-// stepped as the bfloat16 loops above step them.
+// stepped as the bfloat16 loops above step them; `largest[k]` receives the
+// largest eight_bit::magnitude_bits of each new state, whence its block's
+// scale (eight_bit::scale_from_magnitudes) with no pass of its own.
 void step_block(float (*local)[kBlock], const float* __restrict__ g, int64_t len, int64_t count,
-                const float* c) {
+                const float* c, int32_t* largest) {
   const float b1 = c[kDecay1], w1 = c[kWeight1], b2 = c[kDecay2], w2 = c[kWeight2];
   float* __restrict__ m = local[0];
+  int32_t largest_m = 0, largest_v = 0, largest_max = 0;
   if (count == 1) {
-    for (int64_t i = 0; i < len; ++i) m[i] = b1 * m[i] + w1 * g[i];
+    for (int64_t i = 0; i < len; ++i) {
+      m[i] = b1 * m[i] + w1 * g[i];
+      largest_m = std::max(largest_m, eight_bit::magnitude_bits(m[i]));
+    }
+    largest[0] = largest_m;
     return;
   }
   float* __restrict__ v = local[1];
@@ -219,10 +226,18 @@ void step_block(float (*local)[kBlock], const float* __restrict__ g, int64_t len
     const float grad = g[i];
     m[i] = b1 * m[i] + w1 * grad;
     v[i] = b2 * v[i] + w2 * (grad * grad);
+    largest_m = std::max(largest_m, eight_bit::magnitude_bits(m[i]));
+    largest_v = std::max(largest_v, eight_bit::magnitude_bits(v[i]));
   }
+  largest[0] = largest_m;
+  largest[1] = largest_v;
   if (count == 3) {
-    float* __restrict__ largest = local[2];
-    for (int64_t i = 0; i < len; ++i) largest[i] = nan_maximum(largest[i], v[i]);
+    float* __restrict__ running = local[2];
+    for (int64_t i = 0; i < len; ++i) {
+      running[i] = nan_maximum(running[i], v[i]);
+      largest_max = std::max(largest_max, eight_bit::magnitude_bits(running[i]));
+    }
+    largest[2] = largest_max;
   }
 }
 
@@ -237,10 +252,15 @@ void step_blocks(const EightBitLeaf& leaf, int64_t count, const EightBitRule& ru
       eight_bit::decode_block(local[k], leaf.codes_in[k] + lo, len, leaf.scales_in[k][b],
                               *rule.ladder[k], rule.is_signed[k]);
     }
-    step_block(local, leaf.grad + lo, len, count, c);
+    int32_t largest[3];
+    step_block(local, leaf.grad + lo, len, count, c, largest);
     for (int64_t k = 0; k < count; ++k) {
-      eight_bit::encode_block<kWrap>(leaf.codes_out[k] + lo, leaf.scales_out[k] + b, local[k], lo, len,
-                                     *rule.ladder[k], rule.is_signed[k], leaf.seeds[k], rule.stochastic);
+      const float scale =
+          eight_bit::scale_from_magnitudes(largest[k], local[k], static_cast<int>(len));
+      leaf.scales_out[k][b] = scale;
+      eight_bit::encode_block_at_scale<kWrap>(leaf.codes_out[k] + lo, local[k], lo, len, scale,
+                                              *rule.ladder[k], rule.is_signed[k], leaf.seeds[k],
+                                              rule.stochastic);
     }
   }
 }

@@ -253,7 +253,7 @@ inline void ask_for_span(const T* x) {
 // values, so the compiler vectorizes the loop without run-time checks. `first`
 // is the chunk's position in the tensor (the rounding noise's counter).
 // SCALES: the chunk is an 8-bit block's, and `largest[0]` receives the
-// scale_bits maximum of the buffer it writes (eight_bit_blocks).
+// magnitude_bits maximum of the buffer it writes (eight_bit_blocks).
 template <typename scalar_t, typename state_t, bool SR, typename opmath_t, bool FOLD, bool LOW,
           int TERMS, bool SCALES = false>
 void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t* __restrict__ b,
@@ -277,7 +277,7 @@ void qhm_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, state_t
       b[i] = store<state_t, SR>(bi, seed, keys.next());
       p[i] = static_cast<scalar_t>(decayed<TERMS>(pi, df) + bv * bi + gv * gi);
       if constexpr (SCALES) {
-        largest_b = std::max(largest_b, qhoptim::eight_bit::scale_bits(bi));
+        largest_b = std::max(largest_b, qhoptim::eight_bit::magnitude_bits(bi));
       }
     }
   }
@@ -368,10 +368,10 @@ void qhadam_chunk(scalar_t* __restrict__ p, const scalar_t* __restrict__ g,
       s[i] = store<state_t, SR>(si, seed_s, at);
       p[i] = static_cast<scalar_t>(decayed<TERMS>(pi, df) + (mv * mi + gv * gi) / (base + eps));
       if constexpr (SCALES) {
-        largest_m = std::max(largest_m, qhoptim::eight_bit::scale_bits(mi));
-        largest_s = std::max(largest_s, qhoptim::eight_bit::scale_bits(si));
+        largest_m = std::max(largest_m, qhoptim::eight_bit::magnitude_bits(mi));
+        largest_s = std::max(largest_s, qhoptim::eight_bit::magnitude_bits(si));
         if constexpr (AMSGRAD) {
-          largest_v = std::max(largest_v, qhoptim::eight_bit::scale_bits(di));
+          largest_v = std::max(largest_v, qhoptim::eight_bit::magnitude_bits(di));
         }
       }
     }
@@ -643,10 +643,11 @@ Packed8 packed8(at::Tensor& packed, int64_t n) {
 // One step of float32 parameters whose states are 8-bit, block by block: each
 // block's states decoded (decode_block), stepped by `step(lo, len, locals,
 // largest)` -- the float32 kernel's chunk over the block, on the decoded
-// values, which also finds each new state's scale_bits maximum, the block's
-// scale, as it writes it -- and encoded back (encode_block_at_scale) with the
-// state's seed. The same numbers as decoding the whole tensor, stepping it and
-// encoding it (the working-copy path), in one pass over memory.
+// values, which also finds each new state's magnitude_bits maximum as it
+// writes it, whence the block's scale (scale_from_magnitudes) -- and encoded
+// back (encode_block_at_scale) with the state's seed. The same numbers as
+// decoding the whole tensor, stepping it and encoding it (the working-copy
+// path), in one pass over memory.
 template <int K, typename Step>
 void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tensor*, K> states,
                       std::array<bool, K> is_signed, std::array<uint32_t, K> seeds,
@@ -688,7 +689,7 @@ void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tenso
       step(lo, len, local, largest);
       for (int k = 0; k < K; ++k) {
         const Ladder& ladder = is_signed[k] ? signed_ladder : unsigned_ladder;
-        const float scale = scale_of_bits(largest[k]);
+        const float scale = scale_from_magnitudes(largest[k], local[k], static_cast<int>(len));
         packed[k].scales[b] = scale;
         encode_block_at_scale(packed[k].codes + lo, local[k], lo, len, scale, ladder, is_signed[k],
                               seeds[k], true);
