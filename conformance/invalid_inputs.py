@@ -166,14 +166,16 @@ GOOD: dict[str, dict[str, Any]] = {
 }
 
 
-def assert_refused_when_set(optimizer: Any, name: str, value: Any, message: str) -> None:
-    """Setting ``optimizer.<name> = value`` after construction raises a
-    ``ValueError`` matching ``message`` and leaves the value before (the
+def assert_refused_when_set(
+    optimizer: Any, name: str, value: Any, message: str, error_type: type = ValueError
+) -> None:
+    """Setting ``optimizer.<name> = value`` after construction raises
+    ``error_type`` matching ``message`` and leaves the value before (the
     backends whose attributes are checked again: Keras, MLX)."""
     before = getattr(optimizer, name)
     try:
         setattr(optimizer, name, value)
-    except ValueError as error:
+    except error_type as error:
         assert re.search(message, str(error)), (message, str(error))
     else:
         raise AssertionError(f"{name}={value!r} set after construction was taken")

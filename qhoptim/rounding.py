@@ -404,16 +404,27 @@ def check_real(is_complex: bool) -> None:
         raise ValueError("state_dtype applies to real parameters; received a complex one")
 
 
-def check_stochastic_rounding(value: object, state_dtype: str | None) -> None:
+#: The state dtypes that are rounded stochastically, as an error names them.
+_ROUNDED_STATES = {"bfloat16": "bfloat16", EIGHT_BIT: "8-bit (uint8)"}
+
+
+def check_stochastic_rounding(
+    value: object, state_dtype: str | None, *, allowed: tuple[str, ...], spelled: str = ""
+) -> None:
     """``stochastic_rounding`` must be None or a bool, and True only for a state
     stored in bfloat16 or 8 bits (``state_dtype``: the state dtype's name, None
     for none): no other state is rounded stochastically, and a True that
-    changed nothing would read as if it did."""
+    changed nothing would read as if it did. ``allowed`` and ``spelled`` as
+    :func:`check_state_dtype`'s: the message names the rounded ones of the
+    backend's state dtypes, and the received one as the backend spells it."""
     validation.check_optional_bool(value, "stochastic_rounding")
-    if value and state_dtype not in ("bfloat16", EIGHT_BIT):
+    rounded = [name for name in allowed if name in _ROUNDED_STATES]
+    if value and state_dtype not in rounded:
+        received = "None" if state_dtype is None else spelled + state_dtype
         raise ValueError(
-            "stochastic_rounding=True applies to a bfloat16 or 8-bit (uint8) state_dtype; "
-            f"received stochastic_rounding=True with state_dtype={state_dtype}"
+            "stochastic_rounding=True applies to a "
+            f"{' or '.join(_ROUNDED_STATES[name] for name in rounded)} state_dtype; "
+            f"received stochastic_rounding=True with state_dtype={received}"
         )
 
 

@@ -437,20 +437,21 @@ def check_qhadam(
     check_weight_decay(weight_decay, n["weight_decay"])
 
 
-def _check_ns_steps(value: object, name: str) -> None:
+def check_ns_steps(value: object, name: str = "ns_steps") -> Any:
     """Newton-Schulz steps: an integer in ``[0, 100)`` (torch's bound: more is never useful).
 
     A one-element integer array counts as its integer, and a traced one
     (``optax.inject_hyperparams`` makes every number an array) is passed.
+    Returns the count as a Python ``int`` (a traced one as it is).
     """
     count: object = value
     if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, bool):
         count = _scalar_of(value)
         if count is _DEFERRED and _is_jax_tracer(value):
-            return
+            return value
     if isinstance(count, bool) or not isinstance(count, numbers.Integral):
         raise TypeError(f"{name} must be an integer; received {name}={value!r}")
-    check_interval(int(count), name, 0, 100)
+    return check_interval(int(count), name, 0, 100)
 
 
 def _check_ns_coefficients(value: object, name: str) -> None:
@@ -502,24 +503,44 @@ def check_qhmuon(
     n.update(names or {})
     check_qhm(lr=lr, momentum=momentum, nu=nu, weight_decay=weight_decay, names=names)
     check_eps(eps, n["eps"])
-    _check_ns_steps(ns_steps, n["ns_steps"])
+    check_ns_steps(ns_steps, n["ns_steps"])
     _check_ns_coefficients(ns_coefficients, n["ns_coefficients"])
     check_choice(adjust_lr_fn, n["adjust_lr_fn"], [None, *adjustments])
+
+
+def optional(check: Callable[[Any, str], T]) -> Callable[[Any, str], T | None]:
+    """``check`` for a hyperparameter that may also be ``None`` (Keras's ``weight_decay``)."""
+
+    def checked(value: Any, name: str) -> T | None:
+        return None if value is None else check(value, name)
+
+    return checked
+
+
+def _kept(value: Any) -> Any:
+    """A checked value as constructors keep it: each concrete number of it a
+    Python number (:func:`as_float`; a pair's elements each)."""
+    if isinstance(value, tuple):
+        return tuple(as_float(element) for element in value)
+    return as_float(value)
 
 
 class CheckedAttributes:
     """Hyperparameters set after construction (``opt.beta_1 = 1.5``) checked
     as the constructor checks them, where a framework's own optimizers take
     such a value unchecked and step by it (Keras's, MLX's). A refused value
-    leaves the one before; an accepted one is kept as given. ``_CHECKS``:
-    each attribute's check, a function of the value and its name (this
-    module's); ``None`` passes (Keras's ``weight_decay`` takes it). The
-    constructor's own first assignment is not checked again."""
+    leaves the one before; an accepted one is kept as the constructor keeps
+    it: a concrete number (a NumPy scalar, a one-element array or tensor) as
+    a Python float, so that a step never computes with an array it was not
+    built for. ``_CHECKS``: each attribute's check, a function of the value
+    and its name (this module's) that returns the value checked (wrapped in
+    :func:`optional` where ``None`` is allowed). The constructor's own first
+    assignment is not checked again."""
 
     _CHECKS: ClassVar[Mapping[str, Callable[[Any, str], Any]]] = {}
 
     def __setattr__(self, name: str, value: Any) -> None:
         check = self._CHECKS.get(name)
-        if check is not None and name in self.__dict__ and value is not None:
-            check(value, name)
+        if check is not None and name in self.__dict__:
+            value = _kept(check(value, name))
         super().__setattr__(name, value)

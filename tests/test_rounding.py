@@ -137,17 +137,28 @@ def test_a_state_dtype_outside_the_allowed_is_refused_with_the_values() -> None:
         rounding.check_state_dtype(None, "int8", allowed=("bfloat16", "float32"))
     rounding.check_state_dtype("bfloat16", "bfloat16", allowed=("bfloat16",))
     with pytest.raises(TypeError, match=r"received stochastic_rounding=1"):
-        rounding.check_stochastic_rounding(1, "bfloat16")
+        rounding.check_stochastic_rounding(1, "bfloat16", allowed=rounding.STATE_DTYPES)
+    every = (*rounding.STATE_DTYPES, rounding.EIGHT_BIT)
     for name in ("bfloat16", "uint8"):
         for value in (None, True, False):
-            rounding.check_stochastic_rounding(value, name)
+            rounding.check_stochastic_rounding(value, name, allowed=every)
     for name in (None, "float16", "float32"):
-        rounding.check_stochastic_rounding(None, name)
-        rounding.check_stochastic_rounding(False, name)
+        rounding.check_stochastic_rounding(None, name, allowed=every)
+        rounding.check_stochastic_rounding(False, name, allowed=every)
         with pytest.raises(
-            ValueError, match=rf"received stochastic_rounding=True with state_dtype={name}$"
+            ValueError,
+            match=r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; "
+            rf"received stochastic_rounding=True with state_dtype={name}$",
         ):
-            rounding.check_stochastic_rounding(True, name)
+            rounding.check_stochastic_rounding(True, name, allowed=every)
+    # A backend without 8-bit state names bfloat16 alone, and the received
+    # dtype as it spells dtypes.
+    with pytest.raises(
+        ValueError, match=r"applies to a bfloat16 state_dtype; .* state_dtype=mx\.float16$"
+    ):
+        rounding.check_stochastic_rounding(
+            True, "float16", allowed=rounding.STATE_DTYPES, spelled="mx."
+        )
 
 
 # ----------------------------------------------------------- the 8-bit statement

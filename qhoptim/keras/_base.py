@@ -82,6 +82,10 @@ class CheckedLearningRate:
 
     @learning_rate.setter
     def learning_rate(self, value: Any) -> None:
+        if isinstance(value, keras.Variable):
+            # Keras's setter copies a variable's value into its own learning
+            # rate: that value is the one the steps take.
+            validation.check_lr(validation.as_float(value.numpy()), "learning_rate")
         keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate_value(value))
 
 

@@ -45,7 +45,7 @@ def checked_state_dtype(state_dtype: Any, stochastic_rounding: Any) -> str | Non
     ``stochastic_rounding`` with the shared wording."""
     name = None if state_dtype is None else state_dtype_name(state_dtype)
     rounding.check_state_dtype(name, state_dtype, allowed=rounding.STATE_DTYPES)
-    rounding.check_stochastic_rounding(stochastic_rounding, name)
+    rounding.check_stochastic_rounding(stochastic_rounding, name, allowed=rounding.STATE_DTYPES)
     return name
 
 

@@ -93,7 +93,7 @@ class QHAdam(QHOptimizer):
             "nu_1": validation.check_nu,
             "nu_2": validation.check_nu2,
             "epsilon": validation.check_eps,
-            "weight_decay": validation.check_weight_decay,
+            "weight_decay": validation.optional(validation.check_weight_decay),
         }
     )
 

@@ -74,7 +74,7 @@ class QHM(QHOptimizer):
         {
             "momentum": validation.check_beta,
             "nu": validation.check_nu,
-            "weight_decay": validation.check_weight_decay,
+            "weight_decay": validation.optional(validation.check_weight_decay),
         }
     )
 

@@ -113,7 +113,7 @@ class QHMuon(validation.CheckedAttributes, CheckedLearningRate, keras.optimizers
         {
             "momentum": validation.check_beta,
             "nu": validation.check_nu,
-            "weight_decay": validation.check_weight_decay,
+            "weight_decay": validation.optional(validation.check_weight_decay),
             "muon_a": _check_coefficient,
             "muon_b": _check_coefficient,
             "muon_c": _check_coefficient,
@@ -122,7 +122,8 @@ class QHMuon(validation.CheckedAttributes, CheckedLearningRate, keras.optimizers
             "epsilon": validation.check_eps,
             "adam_weight_decay": validation.check_weight_decay,
             "adam_lr_ratio": validation.check_lr,
-            "rms_rate": validation.check_lr,
+            "rms_rate": validation.optional(validation.check_lr),
+            "ns_steps": validation.check_ns_steps,
         }
     )
     # The dtype of the momentum slot being made (None: its variable's), while

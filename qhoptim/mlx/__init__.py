@@ -101,26 +101,27 @@ def _dtype_name(dtype: Any) -> str | None:
     return str(dtype).rsplit(".", 1)[-1] if isinstance(dtype, mx.Dtype) else None
 
 
-def _one_number(check: Callable[[Any, str], Any]) -> Callable[[Any, str], None]:
+def _one_number(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
     """``check``, for a value that must also be one number (:func:`_one_number_each`)."""
 
-    def checked(value: Any, name: str) -> None:
+    def checked(value: Any, name: str) -> Any:
         validation.check_one_number(value, name)
-        check(value, name)
+        return check(value, name)
 
     return checked
 
 
 def _pair(
     first: Callable[[Any, str], Any], second: Callable[[Any, str], Any]
-) -> Callable[[Any, str], None]:
+) -> Callable[[Any, str], tuple[Any, Any]]:
     """The checks of ``betas`` and ``nus``, each element by its name (``betas[0]``)."""
 
-    def checked(value: Any, name: str) -> None:
-        for i, (check, element) in enumerate(
-            zip((first, second), validation.check_pair(value, name), strict=True)
-        ):
-            _one_number(check)(element, f"{name}[{i}]")
+    def checked(value: Any, name: str) -> tuple[Any, Any]:
+        elements = validation.check_pair(value, name)
+        return (
+            _one_number(first)(elements[0], f"{name}[0]"),
+            _one_number(second)(elements[1], f"{name}[1]"),
+        )
 
     return checked
 
@@ -281,7 +282,9 @@ class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
         name = _dtype_name(state_dtype)
         allowed = tuple(_dtype_name(d) or "" for d in STATE_DTYPES)
         rounding.check_state_dtype(name, state_dtype, allowed=allowed, spelled="mx.")
-        rounding.check_stochastic_rounding(stochastic_rounding, name)
+        rounding.check_stochastic_rounding(
+            stochastic_rounding, name, allowed=allowed, spelled="mx."
+        )
         self.state_dtype, self.stochastic_rounding = state_dtype, stochastic_rounding
         self._stochastic = rounding.stochastic(name, stochastic_rounding)
 
@@ -798,6 +801,14 @@ _MLX_MATRIX_OPS = rules.MatrixOps(
 _NS_DTYPES = (mx.bfloat16, mx.float16, mx.float32, mx.float64)
 
 
+def _check_ns_dtype(value: Any, name: str) -> Any:
+    """QHMuon's ``ns_dtype``: None or one of :data:`_NS_DTYPES`."""
+    if value is not None and value not in _NS_DTYPES:
+        names = ", ".join(f"mx.{_dtype_name(d)}" for d in _NS_DTYPES)  # a name is no dtype
+        raise ValueError(f"{name} must be None or one of {names}; received {name}={value!r}")
+    return value
+
+
 class QHMuon(_NarrowState):
     r"""Muon with quasi-hyperbolic momentum: ``mlx.optimizers.Muon`` plus ``nu``.
 
@@ -838,6 +849,8 @@ class QHMuon(_NarrowState):
             "momentum": _one_number(validation.check_beta),
             "nu": _one_number(validation.check_nu),
             "weight_decay": _one_number(validation.check_weight_decay),
+            "ns_steps": validation.check_ns_steps,
+            "ns_dtype": _check_ns_dtype,
         }
     )
 
@@ -865,11 +878,7 @@ class QHMuon(_NarrowState):
             adjustments=rules.MUON_LR_ADJUSTMENTS,
             names={"lr": "learning_rate"},
         )
-        if ns_dtype is not None and ns_dtype not in _NS_DTYPES:
-            names = ", ".join(f"mx.{_dtype_name(d)}" for d in _NS_DTYPES)  # a name is no dtype
-            raise ValueError(
-                f"ns_dtype must be None or one of {names}; received ns_dtype={ns_dtype!r}"
-            )
+        _check_ns_dtype(ns_dtype, "ns_dtype")
         _one_number_each(momentum=momentum, nu=nu, weight_decay=weight_decay)
         super().__init__()  # type: ignore[no-untyped-call]
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]

@@ -91,16 +91,16 @@ _tell_flax_of_eight_bit()
 
 def checked_state_dtype(state_dtype: Any, stochastic_rounding: Any, **others: Any) -> Any:
     """The checked ``state_dtype`` (canonical), alone among the dtype arguments ``others``."""
+    allowed = (*rounding.STATE_DTYPES, rounding.EIGHT_BIT)
     if state_dtype is None:
-        rounding.check_stochastic_rounding(stochastic_rounding, None)
+        rounding.check_stochastic_rounding(stochastic_rounding, None, allowed=allowed)
         return None
     try:
         name: str | None = jnp.dtype(state_dtype).name
     except TypeError:
         name = None
-    allowed = (*rounding.STATE_DTYPES, rounding.EIGHT_BIT)
     rounding.check_state_dtype(name, state_dtype, allowed=allowed)
-    rounding.check_stochastic_rounding(stochastic_rounding, name)
+    rounding.check_stochastic_rounding(stochastic_rounding, name, allowed=allowed)
     for other, value in others.items():
         if value is not None:
             raise ValueError(

@@ -81,7 +81,9 @@ def check_state_dtype(group: dict[str, Any]) -> None:
     name = _name(dtype) if dtype in STATE_DTYPES else None
     allowed = tuple(_name(d) for d in STATE_DTYPES)
     rounding.check_state_dtype(name, dtype, allowed=allowed, spelled="torch.")
-    rounding.check_stochastic_rounding(group.get("stochastic_rounding"), name)
+    rounding.check_stochastic_rounding(
+        group.get("stochastic_rounding"), name, allowed=allowed, spelled="torch."
+    )
     if dtype is None:
         return
     for flag in ("capturable", "differentiable"):

@@ -153,6 +153,8 @@ SET_LATER = [
     (qk.QHMuon, "muon_a", float("nan"), r"muon_a must be a finite real number"),
     (qk.QHMuon, "adam_beta_1", 2.0, r"adam_beta_1 must be in \[0, 1\)"),
     (qk.QHMuon, "rms_rate", -0.2, r"rms_rate must be in \[0, inf\)"),
+    (qk.QHMuon, "ns_steps", -1, r"ns_steps must be in \[0, 100\); received ns_steps=-1"),
+    (qk.QHMuon, "ns_steps", 1000, r"ns_steps must be in \[0, 100\)"),
 ]
 
 
@@ -168,8 +170,29 @@ def test_a_hyperparameter_set_later_is_checked_as_the_constructor_checks_it(
     # before stays; a valid one is taken as given.
     opt = cls(learning_rate=0.01)
     assert_refused_when_set(opt, name, value, message)
-    setattr(opt, name, np.float32(0.5))
-    assert getattr(opt, name) == 0.5
+    if name == "ns_steps":
+        setattr(opt, name, np.int64(3))
+        assert type(opt.ns_steps) is int and opt.ns_steps == 3
+        return
+    # None only where the constructor takes it (Keras's weight_decay, Muon's
+    # rms_rate: test_none_set_later_is_taken_where_the_constructor_takes_it).
+    if name not in ("weight_decay", "rms_rate"):
+        assert_refused_when_set(opt, name, None, rf"{name} must be a real number", TypeError)
+    # Kept as the constructor keeps it: a Python float, whatever array held it
+    # (a one-element array would otherwise meet a 0-d slot at the step).
+    for given in (np.float32(0.5), np.array([0.5]), keras.ops.convert_to_tensor([0.5])):
+        setattr(opt, name, given)
+        assert type(getattr(opt, name)) is float and getattr(opt, name) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("cls", "name"),
+    [(qk.QHM, "weight_decay"), (qk.QHAdamW, "weight_decay"), (qk.QHMuon, "rms_rate")],
+)
+def test_none_set_later_is_taken_where_the_constructor_takes_it(cls: type, name: str) -> None:
+    opt = cls(learning_rate=0.01, **{name: 0.1})
+    setattr(opt, name, None)
+    assert getattr(opt, name) is None
 
 
 @pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHAdamW, qk.QHMuon])
@@ -186,8 +209,14 @@ def test_a_learning_rate_set_later_is_checked_as_the_constructor_checks_it(cls: 
     for value, want in ((0.5, 0.5), (1, 1.0), (np.array([0.25]), 0.25)):
         opt.learning_rate = value
         np.testing.assert_allclose(float(opt.learning_rate), want, rtol=1e-6)
+    # A variable's value is copied into the optimizer's own: that value is checked.
+    with pytest.raises(ValueError, match=r"received learning_rate=-1.0"):
+        opt.learning_rate = keras.Variable(-1.0)
+    np.testing.assert_allclose(float(opt.learning_rate), 0.25, rtol=1e-6)
+    opt.learning_rate = keras.Variable(0.125)
+    np.testing.assert_allclose(float(opt.learning_rate), 0.125, rtol=1e-6)
     callback = keras.callbacks.LearningRateScheduler(lambda epoch, lr: -lr)
     callback.set_model(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
     callback.model.compile(optimizer=opt, loss="mse")
-    with pytest.raises(ValueError, match=r"received learning_rate=-0.25"):
+    with pytest.raises(ValueError, match=r"received learning_rate=-0.125"):
         callback.on_epoch_begin(0)

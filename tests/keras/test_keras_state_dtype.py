@@ -202,7 +202,7 @@ def test_the_config_without_a_state_dtype_is_unchanged() -> None:
         (
             {"state_dtype": "float32", "stochastic_rounding": True},
             ValueError,
-            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=float32",
+            r"applies to a bfloat16 state_dtype; .*state_dtype=float32$",
         ),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.optimizers as optim
+import numpy as np
 import pytest
 
 from conformance.invalid_inputs import (
@@ -83,6 +84,13 @@ SET_LATER = [
     (QHAdam, "eps", -1e-8, r"eps must be in \[0, inf\)"),
     (QHMuon, "momentum", 1.0, r"momentum must be in \[0, 1\)"),
     (QHMuon, "nu", mx.array([0.1, 0.2]), r"nu must be one number"),
+    (QHMuon, "ns_steps", -1, r"ns_steps must be in \[0, 100\); received ns_steps=-1"),
+    (
+        QHMuon,
+        "ns_dtype",
+        "x",
+        r"ns_dtype must be None or one of mx\.bfloat16, .*received ns_dtype='x'",
+    ),
 ]
 
 
@@ -96,7 +104,23 @@ def test_a_hyperparameter_set_later_is_checked_as_the_constructor_checks_it(
 ) -> None:
     # MLX's own optimizers take opt.momentum = 1.5 and step by it; the value
     # before stays.
-    assert_refused_when_set(cls(0.1), name, value, message)
+    opt = cls(0.1)
+    assert_refused_when_set(opt, name, value, message)
+    if name in ("ns_steps", "ns_dtype"):
+        return
+    if name in ("betas", "nus"):
+        assert_refused_when_set(opt, name, None, rf"{name} must be a pair of two numbers")
+    else:
+        assert_refused_when_set(opt, name, None, rf"{name} must be a real number", TypeError)
+    # Kept as the constructor keeps it: Python floats, whatever held them (a
+    # NumPy scalar fails the compiled step; a one-element array would change
+    # a 0-d parameter's shape).
+    for given in (np.float32(0.5), mx.array([0.5])):
+        setattr(opt, name, (given, given) if name in ("betas", "nus") else given)
+        kept = getattr(opt, name)
+        assert all(
+            type(x) is float and x == 0.5 for x in (kept if isinstance(kept, tuple) else (kept,))
+        )
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", None, mx.array(True)], ids=repr)

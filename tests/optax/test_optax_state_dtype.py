@@ -205,7 +205,7 @@ def test_mu_dtype_still_casts_as_optax_adam_does() -> None:
         (
             {"state_dtype": jnp.float32, "stochastic_rounding": True},
             ValueError,
-            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=float32",
+            r"applies to a bfloat16 or 8-bit \(uint8\) state_dtype; .*state_dtype=float32$",
         ),
         ({"state_dtype": BF16, "mu_dtype": jnp.float32}, ValueError, r"give one"),
     ],
