@@ -247,6 +247,18 @@ class _CheckedGroup(NamedTuple):
         )
 
 
+class _GroupChange(NamedTuple):
+    """A param group whose values changed since they were checked, and the
+    dtype its state is stored in (:data:`_UNKNOWN` for a group never checked)."""
+
+    group: dict[str, Any]
+    stored_as: Any
+
+
+#: The stored dtype of a group never checked: its state is what it holds.
+_UNKNOWN = object()
+
+
 def _same_value(a: Any, b: Any) -> bool:
     if a is b:
         return True
@@ -415,12 +427,7 @@ class NarrowStateOptimizer(Optimizer):
         # A copy or a pickle carries the dtype each group's state is stored in
         # (its record's, which a group's state_dtype changed since the last
         # step does not yet match), by position: the records are by identity.
-        checked = self.__dict__.get("_checked_groups", {})
-        stored_as = []
-        for group in self.param_groups:
-            record = checked.get(id(group))
-            known = record is not None and record.group is group
-            stored_as.append(record.state_dtype if known else group.get("state_dtype"))
+        stored_as = [self._stored_dtype(group) for group in self.param_groups]
         return {**super().__getstate__(), _STORED_AS: stored_as}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -441,6 +448,10 @@ class NarrowStateOptimizer(Optimizer):
     def _upgrade_groups(self) -> None:
         """Fill in what the groups of an older pickle or state dict lack."""
 
+    def _renamed(self, group: dict[str, Any], *, warn: bool) -> dict[str, Any]:
+        """``group`` with a legacy spelling read into its current one (none here)."""
+        return group
+
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state, as torch's ``state_dict``: each param group's
         ``state_dtype`` (and QHMuon's ``ns_dtype``) written as its name,
@@ -448,9 +459,18 @@ class NarrowStateOptimizer(Optimizer):
         strings, None and tensors, as torch's own optimizers' do
         (``torch.distributed.checkpoint`` flattens and offloads such state
         dicts). :meth:`load_state_dict` reads the names back, and takes the
-        dtypes themselves too."""
+        dtypes themselves too. A group's ``state_dtype`` is the one its state
+        is stored in: one changed since the last step is not yet (the step
+        converts it), and an optimizer that loads the state dict converts it to
+        its own group's, as it would a checkpoint saved in another dtype."""
         state_dict = super().state_dict()
-        return {**state_dict, "param_groups": groups_with_dtype_names(state_dict["param_groups"])}
+        groups = [
+            {**saved, "state_dtype": self._stored_dtype(group)}
+            if "state_dtype" in saved and saved["state_dtype"] is not self._stored_dtype(group)
+            else saved
+            for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True)
+        ]
+        return {**state_dict, "param_groups": groups_with_dtype_names(groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the optimizer state, after checking it fits this optimizer.
@@ -507,25 +527,24 @@ class NarrowStateOptimizer(Optimizer):
         checked = self.__dict__.setdefault("_checked_groups", {})
         checked[id(group)] = _CheckedGroup.of(group)
 
-    def _check_changed_groups(self) -> None:
+    def _check_changed_groups(self) -> list[_GroupChange]:
         """Check again, before any group moves, each param group whose values
         changed since they were checked (made, loaded or last stepped): a
         scheduler's (a ``LambdaLR`` run past its end gives a negative lr) or a
         hand's. torch's optimizers step by such values; here, as where a group
         is made, they raise ``ValueError`` (the step would otherwise write a
         checkpoint ``load_state_dict`` refuses, or fail in a later group after
-        earlier ones moved). A concrete scalar is read as its Python float, as
-        where a group is made. A group whose ``state_dtype`` changed has its
-        state converted, as ``load_state_dict`` converts a checkpoint's. A
-        tensor ``lr`` is a value as an object: one written in place is not
-        read again, nor a new one on an accelerator (reading it there would
-        synchronize, and fail under CUDA graph capture); nothing is under
-        ``torch.compile``, whose guards see the values.
+        earlier ones moved). Returns the changes, which :meth:`_take_changes`
+        makes once the rest of the step's checks have passed: a failing step
+        changes nothing. A tensor ``lr`` is a value as an object: one written
+        in place is not read again, nor a new one on an accelerator (reading it
+        there would synchronize, and fail under CUDA graph capture); nothing is
+        under ``torch.compile``, whose guards see the values.
         """
         if torch.compiler.is_compiling():
-            return
+            return []
         checked = self.__dict__.setdefault("_checked_groups", {})
-        changed: list[tuple[dict[str, Any], bool, torch.dtype | None]] = []
+        changed: list[_GroupChange] = []
         for group in self.param_groups:
             record = checked.get(id(group))
             known = record is not None and record.group is group
@@ -534,11 +553,24 @@ class NarrowStateOptimizer(Optimizer):
             lr = group["lr"]
             on_device = isinstance(lr, Tensor) and lr.device.type != "cpu"
             self._check_group({**group, "lr": 0.0} if on_device else group)
-            changed.append((group, known, record.state_dtype if known else None))
-        for group, known, stored_as in changed:  # every group checked: now changed
+            changed.append(_GroupChange(group, record.state_dtype if known else _UNKNOWN))
+        return changed
+
+    def _take_changes(self, changes: list[_GroupChange]) -> None:
+        """Make the checked ``changes``: a 1.1.0 weight-decay key read into
+        ``decoupled_weight_decay``, a concrete scalar read as its Python float
+        (as where a group is made), and a changed ``state_dtype``'s state
+        converted, as ``load_state_dict`` converts a checkpoint's."""
+        checked = self.__dict__.setdefault("_checked_groups", {})
+        for group, stored_as in changes:
+            renamed = self._renamed(group, warn=True)
+            if renamed is not group:
+                params = group["params"]
+                group.clear()
+                group.update(renamed, params=params)
             group.update(as_numbers(group))
             wanted = group.get("state_dtype")
-            if known and wanted != stored_as:
+            if stored_as is not _UNKNOWN and wanted != stored_as:
                 group["state_dtype"] = stored_as  # what _convert_state converts from
                 self._convert_state(group, wanted)
             self._remember_checked(group)
@@ -546,6 +578,13 @@ class NarrowStateOptimizer(Optimizer):
             current = {id(group) for group in self.param_groups}
             for key in [key for key in checked if key not in current]:
                 del checked[key]
+
+    def _stored_dtype(self, group: dict[str, Any]) -> torch.dtype | None:
+        """The dtype ``group``'s state is stored in: its record's, which a
+        ``state_dtype`` changed since the last step does not yet match."""
+        record = self.__dict__.get("_checked_groups", {}).get(id(group))
+        known = record is not None and record.group is group
+        return record.state_dtype if known else group.get("state_dtype")
 
     def _convert_state(self, group: dict[str, Any], dtype: torch.dtype | None) -> None:
         """Store ``group``'s state in ``dtype`` (None: the parameters' own)."""
@@ -579,7 +618,8 @@ class NarrowStateOptimizer(Optimizer):
         if group is None:
             raise KeyError("decoded_state: the tensor is not a parameter of this optimizer")
         p_state = self.state.get(param, {})
-        stored_as = group.get("state_dtype") if _state_dtype.narrow(group, param) else None
+        stored = {"state_dtype": self._stored_dtype(group)}  # not a change the step has yet to make
+        stored_as = stored["state_dtype"] if _state_dtype.narrow(stored, param) else None
         wide = (
             param.dtype if param.is_complex() else torch.promote_types(param.dtype, torch.float32)
         )
@@ -650,11 +690,12 @@ class QHOptimizer(NarrowStateOptimizer):
         group = dict(group)
         value = group.pop(key)
         decoupled = self._decoupled_from_legacy(value)
-        if group.get("decoupled_weight_decay") is True and not decoupled:
+        given = group.get("decoupled_weight_decay")
+        if given is not None and given is not decoupled:
             # Both spellings, disagreeing: neither is silently dropped.
             raise ValueError(
-                f"{key}={value!r} means decoupled_weight_decay=False, and "
-                "decoupled_weight_decay=True was given too; give one"
+                f"{key}={value!r} means decoupled_weight_decay={decoupled}, and "
+                f"decoupled_weight_decay={given!r} was given too; give one"
             )
         if warn and self._WARN_LEGACY:
             warnings.warn(
@@ -665,6 +706,16 @@ class QHOptimizer(NarrowStateOptimizer):
             )
         group["decoupled_weight_decay"] = decoupled
         return group
+
+    def _defaults_read(self, defaults: dict[str, Any], legacy: dict[str, Any]) -> dict[str, Any]:
+        """A constructor's ``defaults`` with its 1.1.0 weight-decay keyword
+        (``legacy``) read in; ``decoupled_weight_decay`` not given (None) is
+        False. (The default is None, not False, so that a False given beside a
+        legacy spelling that says otherwise is refused, not overridden.)"""
+        defaults = self._renamed({**defaults, **legacy}, warn=True)
+        if defaults["decoupled_weight_decay"] is None:
+            defaults["decoupled_weight_decay"] = False
+        return defaults
 
     def _upgrade_groups(self) -> None:
         for i, group in enumerate(self.param_groups):
@@ -770,9 +821,10 @@ class QHOptimizer(NarrowStateOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_changed_groups()
+        changes = self._check_changed_groups()
         self._check_amp_scaling()
         gathered = [self._gather(group) for group in self.param_groups]
+        self._take_changes(changes)  # every check passed
         for group, group_gathered in zip(self.param_groups, gathered, strict=True):
             if group_gathered.params:  # else a frozen group: no gradient, nothing to step
                 self._step_group(group, group_gathered)

@@ -46,7 +46,7 @@ class QHAdam(QHOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         nus: tuple[float, float] = (1.0, 1.0),
         weight_decay: float = 0.0,
-        decoupled_weight_decay: bool = False,
+        decoupled_weight_decay: bool | None = None,
         eps: float = 1e-8,
         *,
         maximize: bool = False,
@@ -80,7 +80,7 @@ class QHAdam(QHOptimizer):
             "state_dtype": state_dtype,
             "stochastic_rounding": stochastic_rounding,
         }
-        super().__init__(params, self._renamed({**defaults, **legacy}, warn=True))
+        super().__init__(params, self._defaults_read(defaults, legacy))
         self._setup_fused()
 
     _GROUP_KEYS = ("lr", "betas", "nus", "weight_decay", "eps")
@@ -366,8 +366,9 @@ QHAdam.__doc__ = (
         decoupled_weight_decay (bool, optional): ``False`` adds :math:`\lambda\theta`
             to the gradient (L2); ``True`` multiplies :math:`\theta` by
             :math:`1 - \alpha\lambda` before the step, as AdamW. 1.1.0's
-            ``decouple_weight_decay`` is still read, with a ``DeprecationWarning``.
-            (default: False)"""
+            ``decouple_weight_decay`` is still read, with a ``DeprecationWarning``
+            (and refused beside a ``decoupled_weight_decay`` that says otherwise).
+            (default: None, which is False)"""
     + _QHADAM_FLAGS_DOC
     + """
     Example:

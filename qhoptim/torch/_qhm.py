@@ -62,7 +62,7 @@ class QHM(MomentumBufferState, QHOptimizer):
         momentum: float = 0.999,
         nu: float = 0.7,
         weight_decay: float = 0.0,
-        decoupled_weight_decay: bool = False,
+        decoupled_weight_decay: bool | None = None,
         *,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -75,7 +75,7 @@ class QHM(MomentumBufferState, QHOptimizer):
     ) -> None:
         if isinstance(decoupled_weight_decay, str):  # 1.1.0's positional weight_decay_type
             legacy.setdefault("weight_decay_type", decoupled_weight_decay)
-            decoupled_weight_decay = False
+            decoupled_weight_decay = None
         unknown = set(legacy) - {"weight_decay_type"}
         if unknown:
             raise TypeError(f"QHM got unexpected keyword arguments {sorted(unknown)}")
@@ -93,7 +93,7 @@ class QHM(MomentumBufferState, QHOptimizer):
             "state_dtype": state_dtype,
             "stochastic_rounding": stochastic_rounding,
         }
-        super().__init__(params, self._renamed({**defaults, **legacy}, warn=True))
+        super().__init__(params, self._defaults_read(defaults, legacy))
         self._setup_fused()
 
     _GROUP_KEYS = ("lr", "momentum", "nu", "weight_decay")
@@ -242,7 +242,8 @@ QHM.__doc__ = rf"""Quasi-hyperbolic momentum (QHM) of `Ma and Yarats (2019)`_.
             modified); ``True`` multiplies :math:`\theta` by
             :math:`1 - \alpha\lambda` before the step, as AdamW. 1.1.0's
             ``weight_decay_type="grad"`` / ``"direct"`` is still read, with a
-            ``DeprecationWarning``. (default: False)
+            ``DeprecationWarning`` (and refused beside a ``decoupled_weight_decay``
+            that says otherwise). (default: None, which is False)
         {maximize_doc}
         {foreach_doc}
         {capturable_doc}

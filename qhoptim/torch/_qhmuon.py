@@ -169,7 +169,7 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
                 loss = closure()
         # Every group's values and parameters checked before any group moves:
         # a failing step changes nothing.
-        self._check_changed_groups()
+        changes = self._check_changed_groups()
         gathered = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -180,6 +180,7 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
                     raise RuntimeError("QHMuon does not support sparse gradients")
                 _check_matrix_gradient(p.grad)
             gathered.append(params)
+        self._take_changes(changes)  # every check passed
         for group, params in zip(self.param_groups, gathered, strict=True):
             if not params:
                 continue

@@ -24,13 +24,18 @@ _TORCH_PREFIX = "torch."
 
 
 def groups_with_dtype_names(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``groups`` (a state dict's) with each torch dtype written as its name,
-    ``"torch.bfloat16"``: a state dict holds numbers, bools, strings, None and
-    tensors, as torch's optimizers' do, which is what
-    ``torch.distributed.checkpoint`` flattens and offloads (a dtype it refuses)."""
+    """``groups`` (a state dict's) with the dtypes of :data:`DTYPE_KEYS` written
+    as their names, ``"torch.bfloat16"``: a state dict holds numbers, bools,
+    strings, None and tensors, as torch's optimizers' do, which is what
+    ``torch.distributed.checkpoint`` flattens and offloads (a dtype it refuses).
+    Other keys' values, a user's own among them, are left as they are, as
+    :func:`groups_with_dtypes` reads only these back."""
     return [
-        {k: str(v) if isinstance(v, torch.dtype) else v for k, v in group.items()}
-        if any(isinstance(v, torch.dtype) for v in group.values())
+        {
+            k: str(v) if k in DTYPE_KEYS and isinstance(v, torch.dtype) else v
+            for k, v in group.items()
+        }
+        if any(isinstance(group.get(k), torch.dtype) for k in DTYPE_KEYS)
         else group
         for group in groups
     ]
@@ -41,7 +46,9 @@ def groups_with_dtypes(state_dict: Any) -> Any:
     read back as torch dtypes (checkpoints that hold the dtypes themselves, as
     earlier versions wrote them, load as they are); anything else unchanged,
     for :func:`check_state_dict` to judge."""
-    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+    if not isinstance(state_dict, dict) or not isinstance(
+        state_dict.get("param_groups"), (list, tuple)
+    ):
         return state_dict
 
     def read(key: str, value: Any) -> Any:
@@ -160,15 +167,17 @@ def _check_param_state(
 
 
 def _other_optimizers_keys(optimizer: Any) -> set[str]:
-    """The group keys of the other qhoptim.torch optimizers that ``optimizer``'s lack:
-    every class under the one that first declares ``_GROUP_KEYS``."""
+    """The group keys of qhoptim's other torch optimizers that ``optimizer``'s
+    lack: every qhoptim class under the one that first declares ``_GROUP_KEYS``
+    (not a user's subclass, whose extra keys are its own business)."""
     classes = type(optimizer).__mro__
     root = next(c for c in reversed(classes) if "_GROUP_KEYS" in vars(c))
     found: set[str] = set()
     todo: list[Any] = [root]
     while todo:
         cls = todo.pop()
-        found.update(cls._GROUP_KEYS)
+        if cls.__module__.split(".")[0] == "qhoptim":
+            found.update(cls._GROUP_KEYS)
         todo.extend(cls.__subclasses__())
     return found - set(optimizer._GROUP_KEYS)
 
@@ -211,14 +220,20 @@ def check_state_dict(optimizer: Any, state_dict: Any) -> None:
                 f"{what}: param group {i} lacks {missing}; is this the state dict "
                 f"of another optimizer? {name} needs {list(optimizer._GROUP_KEYS)}"
             )
-        # A QHMuon group holds all of QHM's keys: what marks it is its own.
-        foreign = sorted(k for k in _other_optimizers_keys(optimizer) if k in saved)
+        # A QHMuon group holds all of QHM's keys: what marks it is its own --
+        # unless this optimizer's group holds the key too (a user's extra key
+        # that happens to be another optimizer's: its own state dict loads).
+        foreign = sorted(
+            k for k in _other_optimizers_keys(optimizer) if k in saved and k not in group
+        )
         if foreign:
             raise ValueError(
                 f"{what}: param group {i} holds {foreign}, which {name} does not take; "
                 "is this the state dict of another optimizer?"
             )
-        optimizer._check_group({**optimizer.defaults, **saved})
+        # A 1.1.0 group's weight-decay key read first: it is the group's own
+        # setting, not one given beside the optimizer's defaults.
+        optimizer._check_group({**optimizer.defaults, **optimizer._renamed(saved, warn=False)})
         params.update(zip(saved["params"], group["params"], strict=True))
         if _state_dtype.eight_bit(saved.get("state_dtype")):
             packed.update(saved["params"])

@@ -67,6 +67,56 @@ def test_pyt_takes_decoupled_weight_decay_and_refuses_a_spelling_that_disagrees(
     legacy = {"weight_decay_type": "grad"} if name == "QHM" else {"decouple_weight_decay": False}
     with pytest.raises(ValueError, match=r"means decoupled_weight_decay=False, .*give one"):
         cls(_params(), lr=0.1, decoupled_weight_decay=True, **legacy)
+    # Either way round, in both modules: an explicit False is not the default.
+    legacy = {"weight_decay_type": "direct"} if name == "QHM" else {"decouple_weight_decay": True}
+    for module_cls in (cls, {"QHM": QHM, "QHAdam": QHAdam}[name]):
+        with pytest.raises(
+            ValueError,
+            match=r"means decoupled_weight_decay=True, and decoupled_weight_decay=False .*give one",
+        ):
+            module_cls(_params(), lr=0.1, decoupled_weight_decay=False, **legacy)
+        with pytest.raises(ValueError, match=r"give one"):
+            module_cls([{"params": _params(), "decoupled_weight_decay": False, **legacy}], lr=0.1)
+
+
+@pytest.mark.parametrize("name", ["QHM", "QHAdam"])
+def test_a_1_1_0_group_loads_into_an_optimizer_built_with_the_other_decay(name: str) -> None:
+    # The saved group's legacy key is its own setting, not one given beside
+    # the loading optimizer's decoupled_weight_decay.
+    from qhoptim import pyt
+
+    cls = getattr(pyt, name)
+    legacy = {"weight_decay_type": "grad"} if name == "QHM" else {"decouple_weight_decay": False}
+    params = _params()
+    saved = cls(params, lr=0.1).state_dict()
+    saved["param_groups"][0].pop("decoupled_weight_decay")
+    saved["param_groups"][0].update(legacy)  # as 1.1.0 wrote it
+    opt = cls(_params(), lr=0.1, decoupled_weight_decay=True)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is False
+    assert next(iter(legacy)) not in opt.param_groups[0]
+
+
+def test_a_legacy_decay_key_set_on_a_group_later_is_read_or_refused() -> None:
+    # 1.1.0 read weight_decay_type at every step: set later, it is read where
+    # it agrees with the group's decoupled_weight_decay and refused where not,
+    # before anything moves (never silently ignored).
+    from qhoptim import pyt
+
+    params = _params()
+    opt = pyt.QHM(params, lr=0.1, momentum=0.9, nu=0.7, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[0]["weight_decay_type"] = "direct"
+    with pytest.raises(ValueError, match=r"weight_decay_type='direct' means .*give one"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    opt.param_groups[0]["weight_decay_type"] = "grad"
+    opt.step()
+    assert "weight_decay_type" not in opt.param_groups[0]
+    assert opt.param_groups[0]["decoupled_weight_decay"] is False
 
 
 def test_qhadamw_is_a_class_with_decoupled_decay() -> None:

@@ -506,6 +506,128 @@ def test_a_group_s_state_dtype_changed_converts_its_state_as_loading_does(
         assert torch.equal(changed.state[params[1]][key], value), key
 
 
+@pytest.mark.parametrize("make", [QHM, QHAdam, QHMuon], ids=["QHM", "QHAdam", "QHMuon"])
+@pytest.mark.parametrize(("was", "now"), STATE_DTYPE_CHANGES, ids=str)
+def test_a_state_dict_taken_before_a_changed_state_dtype_is_converted_loads_and_resumes(
+    make: Callable[..., torch.optim.Optimizer], was: Any, now: Any
+) -> None:
+    # Between the change and the step that converts the state, the state dict
+    # names the dtype the state is stored in (an optimizer built with the new
+    # one converts it on load) and decoded_state reads the state as stored.
+    gen = torch.Generator().manual_seed(6)
+    shape = (16, 24)
+    kwargs = {"lr": 0.1} if make is QHM else {}
+
+    def made(state_dtype: Any) -> tuple[torch.optim.Optimizer, torch.nn.Parameter]:
+        param = torch.nn.Parameter(torch.ones(shape))
+        return make([param], state_dtype=state_dtype, **kwargs), param
+
+    changed, param = made(was)
+    grads = [torch.randn(shape, generator=gen) for _ in range(4)]
+    for g in grads[:2]:
+        param.grad = g
+        changed.step()
+    decoded = changed.decoded_state(param)
+    changed.param_groups[0]["state_dtype"] = now
+    for key, value in changed.decoded_state(param).items():
+        assert torch.equal(value, decoded[key]), key
+    saved = copy.deepcopy(changed.state_dict())
+    assert saved["param_groups"][0]["state_dtype"] == (None if was is None else str(was))
+    loaded, loaded_param = made(now)
+    with torch.no_grad():
+        loaded_param.copy_(param)
+    loaded.load_state_dict(saved)
+    for g in grads[2:]:
+        for opt, p in ((changed, param), (loaded, loaded_param)):
+            p.grad = g.clone()
+            opt.step()
+    assert torch.equal(param, loaded_param)
+    for key, value in loaded.state[loaded_param].items():
+        assert torch.equal(changed.state[param][key], value), key
+
+
+@pytest.mark.parametrize("make", [QHAdam, QHMuon], ids=["QHAdam", "QHMuon"])
+def test_a_refused_step_leaves_a_changed_state_dtype_unconverted(
+    make: Callable[..., torch.optim.Optimizer],
+) -> None:
+    # A failing step changes nothing: not the state of a group whose
+    # state_dtype changed, which the step would have converted.
+    params = [torch.nn.Parameter(torch.ones(16, 24)), torch.nn.Parameter(torch.ones(16, 24))]
+    opt = make([{"params": [params[0]], "state_dtype": torch.bfloat16}, {"params": [params[1]]}])
+    params[0].grad = torch.full((16, 24), 0.5)
+    opt.step()
+    before = _snapshot(opt)
+    opt.param_groups[0]["state_dtype"] = torch.uint8
+    if make is QHAdam:
+        params[1].grad = torch.ones(16, 24).to_sparse()
+        error, refused = RuntimeError, r"does not support sparse gradients"
+    else:  # a parameter made 1-D after construction (its .data replaced)
+        params[1].data = torch.ones(12)
+        params[1].grad = torch.ones(12)
+        error, refused = ValueError, r"gradients must be matrices"
+    with pytest.raises(error, match=refused):
+        opt.step()
+    opt.param_groups[0]["state_dtype"] = torch.bfloat16
+    _assert_same(opt.state_dict(), before)
+
+
+@pytest.mark.parametrize(
+    ("make", "extra"),
+    [
+        (lambda g: QHAdam(g, lr=0.01), {"momentum": 0.9}),
+        (lambda g: QHM(g, lr=0.1), {"eps": 1e-8}),
+        (lambda g: QHMuon(g, lr=0.02), {"betas": (0.9, 0.99)}),
+    ],
+    ids=["QHAdam+momentum", "QHM+eps", "QHMuon+betas"],
+)
+def test_an_optimizer_s_own_state_dict_with_another_s_key_loads(
+    make: Callable[[Any], torch.optim.Optimizer], extra: dict[str, Any]
+) -> None:
+    # A user's extra group key that happens to be another qhoptim optimizer's
+    # is this optimizer's own; what is refused is a group holding such a key
+    # where this optimizer's does not.
+    params = [torch.nn.Parameter(torch.ones(4, 3))]
+    opt = make([{"params": params, **extra}])
+    params[0].grad = torch.full((4, 3), 0.5)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)
+    _assert_same(opt.state_dict(), saved)
+    with pytest.raises(ValueError, match="another optimizer"):
+        make([{"params": [torch.nn.Parameter(torch.ones(4, 3))]}]).load_state_dict(saved)
+
+
+def test_a_user_s_subclass_with_its_own_group_key_changes_no_other_optimizer_s_loading() -> None:
+    # Only qhoptim's own classes mark another optimizer's state dict: a
+    # subclass defined elsewhere (a layer-decay variant's "lr_scale") does not
+    # make QHAdam refuse its own checkpoints that hold that key.
+    class LayerDecayQHAdam(QHAdam):
+        _GROUP_KEYS = (*QHAdam._GROUP_KEYS, "lr_scale")
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = QHAdam([{"params": params, "lr_scale": 0.5}], lr=0.01)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    QHAdam([{"params": [torch.nn.Parameter(torch.ones(3))]}], lr=0.01).load_state_dict(saved)
+    assert LayerDecayQHAdam.__name__  # defined while the load ran
+
+
+def test_a_state_dict_keeps_a_user_s_dtype_valued_group_key_and_tuple_groups_load() -> None:
+    # Only state_dtype and ns_dtype are written as names (and read back); a
+    # user's own dtype-valued key stays a dtype, as in torch's optimizers. A
+    # state dict whose param_groups is a tuple loads, as torch's do.
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = QHAdam([{"params": params, "my_dtype": torch.float16}], state_dtype=torch.bfloat16)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["my_dtype"] is torch.float16
+    assert saved["param_groups"][0]["state_dtype"] == "torch.bfloat16"
+    opt.load_state_dict({**saved, "param_groups": tuple(saved["param_groups"])})
+    assert opt.param_groups[0]["state_dtype"] is torch.bfloat16
+
+
 def test_a_new_tensor_lr_is_checked_and_a_replaced_params_list_is_not_compared() -> None:
     # A new tensor counts as a change (never compared element-wise with the
     # old one); on the CPU its value is read and checked.
