@@ -42,6 +42,7 @@ from qhoptim.torch._tensors import (
 _DTYPE = operator.attrgetter("dtype")
 # The key of a pickled optimizer's state dtypes (NarrowStateOptimizer.__getstate__).
 _STORED_AS = "_qhoptim_stored_as"
+_CHANGED = "_qhoptim_changed"
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _TORCH_FLAGS = {
@@ -427,13 +428,21 @@ class NarrowStateOptimizer(Optimizer):
         # A copy or a pickle carries the dtype each group's state is stored in
         # (its record's, which a group's state_dtype changed since the last
         # step does not yet match), by position: the records are by identity.
+        # It carries too which groups changed since they were checked: the
+        # copy's next step checks them, as the original's would.
         stored_as = [self._stored_dtype(group) for group in self.param_groups]
-        return {**super().__getstate__(), _STORED_AS: stored_as}
+        checked = self.__dict__.get("_checked_groups", {})
+        changed = []
+        for group in self.param_groups:
+            record = checked.get(id(group))
+            changed.append(record is None or record.group is not group or not record.unchanged())
+        return {**super().__getstate__(), _STORED_AS: stored_as, _CHANGED: changed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's load_state_dict comes here too, with the state and groups alone.
         state = dict(state)
         stored_as = state.pop(_STORED_AS, None)
+        changed = state.pop(_CHANGED, None) or [False] * len(state.get("param_groups", []))
         super().__setstate__(state)
         wanted = [group.get("state_dtype") for group in self.param_groups]
         if stored_as is not None:  # a state_dtype changed before the copy, not yet converted:
@@ -441,8 +450,11 @@ class NarrowStateOptimizer(Optimizer):
                 group["state_dtype"] = dtype  # what the state is stored in, for the upgrade
         self._upgrade_groups()
         self._checked_groups: dict[int, _CheckedGroup] = {}
-        for group, dtype in zip(self.param_groups, wanted, strict=True):
-            self._remember_checked(group)
+        for group, dtype, was_changed in zip(self.param_groups, wanted, changed, strict=True):
+            record = _CheckedGroup.of(group)
+            # A group the original had yet to check again: a record that
+            # never reads as unchanged, so that the next step checks it.
+            self._checked_groups[id(group)] = record._replace(size=-1) if was_changed else record
             group["state_dtype"] = dtype  # ... converted by the next step, as the original's
 
     def _upgrade_groups(self) -> None:
@@ -463,14 +475,26 @@ class NarrowStateOptimizer(Optimizer):
         is stored in: one changed since the last step is not yet (the step
         converts it), and an optimizer that loads the state dict converts it to
         its own group's, as it would a checkpoint saved in another dtype."""
-        state_dict = super().state_dict()
+        # Written before the post-hooks run (which may drop or reorder groups),
+        # as torch runs them after it writes the groups.
+        hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(hooks)()
+        try:
+            state_dict = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = hooks
         groups = [
             {**saved, "state_dtype": self._stored_dtype(group)}
             if "state_dtype" in saved and saved["state_dtype"] is not self._stored_dtype(group)
             else saved
             for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True)
         ]
-        return {**state_dict, "param_groups": groups_with_dtype_names(groups)}
+        state_dict = {**state_dict, "param_groups": groups_with_dtype_names(groups)}
+        for hook in hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the optimizer state, after checking it fits this optimizer.
@@ -722,7 +746,8 @@ class QHOptimizer(NarrowStateOptimizer):
             # Older state dicts (qhoptim 1.1.0's included) lack torch's flags.
             for flag, default in _TORCH_FLAGS.items():
                 group.setdefault(flag, default)
-            group = self.param_groups[i] = self._renamed(group, warn=False)
+            if "decoupled_weight_decay" not in group:  # a 1.1.0 group: its legacy key read
+                group = self.param_groups[i] = self._renamed(group, warn=False)
             group.setdefault("decoupled_weight_decay", False)
             self._upgrade_group(group)
 

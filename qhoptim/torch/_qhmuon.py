@@ -114,7 +114,7 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
 
     @staticmethod
     def _check_group(group: dict[str, Any]) -> None:
-        numbers_only({k: group[k] for k in ("weight_decay", "momentum", "nu", "eps")})
+        numbers_only({k: group[k] for k in ("weight_decay", "momentum", "nu", "eps", "ns_steps")})
         coefficients = group["ns_coefficients"]
         if isinstance(coefficients, (tuple, list)):
             numbers_only({f"ns_coefficients[{i}]": c for i, c in enumerate(coefficients)})

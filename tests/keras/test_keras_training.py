@@ -309,9 +309,17 @@ def test_torch_tensor_hyperparameters_take_the_generic_path(
     got = apply_steps(PAIRS["qhm"][0](), X0, quadratic_grad, 6)
     calls = _count_kernel_calls(monkeypatch, fused=True)
     opt = PAIRS["qhm"][0]()
-    opt.momentum = torch.tensor(0.9, dtype=torch.float64)  # no Python float: per-variable path
+    opt.momentum = keras.Variable(
+        0.9, dtype="float64"
+    )  # no Python float (it may change): per-variable path
     _assert_close(apply_steps(opt, X0, quadratic_grad, 6), got)
     assert not calls
+    # A concrete tensor is read as its float, as the constructor reads it: the kernels.
+    opt = PAIRS["qhm"][0]()
+    opt.momentum = torch.tensor(0.9, dtype=torch.float64)
+    assert type(opt.momentum) is float
+    _assert_close(apply_steps(opt, X0, quadratic_grad, 6), got)
+    assert calls
 
 
 @pytest.mark.parametrize(

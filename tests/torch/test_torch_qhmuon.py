@@ -223,6 +223,12 @@ def test_a_step_with_a_gradient_that_is_no_matrix_changes_nothing() -> None:
     assert torch.equal(w, torch.ones(4, 3)) and not opt.state
 
 
+def test_a_tensor_ns_steps_is_refused_as_other_tensors_are() -> None:
+    # Kept in the group, it would be read once and never checked again.
+    with pytest.raises(TypeError, match=r"ns_steps must be a Python number"):
+        QHMuon(_params(), lr=0.02, ns_steps=torch.tensor(5))
+
+
 @pytest.mark.parametrize(
     "coefficients",
     [(torch.tensor(3.4445), -4.775, 2.0315), torch.tensor([3.4445, -4.775, 2.0315])],

@@ -165,6 +165,8 @@ def _corrupt_cases() -> list[tuple[str, str, Callable[[dict[str, Any]], None], t
             {**sd["param_groups"][0], "params": []}), ValueError, "has 2 param groups"),
         ("QHAdam", "a parameter too many", lambda sd: sd["param_groups"][0]["params"].append(9),
          ValueError, "param group 0 of the state dict has 3 parameters"),
+        ("QHAdam", "no state dtype", set_group("state_dtype", "torch.float8"), ValueError,
+         r"state_dtype must be None or one of torch\.bfloat16, .*'torch\.float8'"),
     ]  # fmt: skip
 
 
@@ -544,6 +546,72 @@ def test_a_state_dict_taken_before_a_changed_state_dtype_is_converted_loads_and_
     assert torch.equal(param, loaded_param)
     for key, value in loaded.state[loaded_param].items():
         assert torch.equal(changed.state[param][key], value), key
+
+
+@pytest.mark.parametrize(
+    ("was", "now"),
+    [
+        ({}, {"state_dtype": torch.bfloat16, "stochastic_rounding": True}),
+        ({"state_dtype": torch.bfloat16}, {"state_dtype": None, "capturable": True}),
+    ],
+    ids=["to-bfloat16-rounded", "to-float32-capturable"],
+)
+def test_a_state_dict_taken_before_a_change_with_its_flags_loads(
+    was: dict[str, Any], now: dict[str, Any]
+) -> None:
+    # The state dict holds the dtype the state is stored in beside the group's
+    # new flags, a pair no group could be made with: a group is checked as it
+    # will be once loaded, in the loading optimizer's own storage.
+    param = torch.nn.Parameter(torch.ones(8, 4))
+    opt = QHAdam([param], **was)
+    param.grad = torch.full((8, 4), 0.5)
+    opt.step()
+    opt.param_groups[0].update(now)
+    saved = copy.deepcopy(opt.state_dict())
+    fresh_param = torch.nn.Parameter(param.detach().clone())
+    fresh = QHAdam([fresh_param], **now)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    opt.load_state_dict(copy.deepcopy(saved))
+    for o, p in ((opt, param), (fresh, fresh_param)):
+        p.grad = torch.full((8, 4), 0.25)
+        o.step()
+    assert torch.equal(param, fresh_param)
+
+
+def test_state_dict_post_hooks_see_the_written_groups() -> None:
+    # The stored dtypes are written before the post-hooks run: a hook may drop
+    # a group (a frozen one, say), as with torch's optimizers.
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))]
+    opt = QHAdam([{"params": [params[0]]}, {"params": [params[1]], "state_dtype": torch.bfloat16}])
+
+    def drop_the_first_group(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {**state_dict, "param_groups": state_dict["param_groups"][1:]}
+
+    opt.register_state_dict_post_hook(drop_the_first_group)
+    groups = opt.state_dict()["param_groups"]
+    assert len(groups) == 1 and groups[0]["state_dtype"] == "torch.bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "refused"),
+    [("weight_decay_type", "direct", "give one"), ("lr", -0.1, r"lr must be in \[0, inf\)")],
+    ids=["disagreeing-decay-spellings", "negative-lr"],
+)
+def test_a_copy_checks_a_group_changed_before_it_was_made(
+    key: str, value: Any, refused: str
+) -> None:
+    # A copy or a pickle restores the optimizer as it was, a group changed
+    # since its last check included: the copy's step checks and refuses it, as
+    # the original's does.
+    from qhoptim import pyt
+
+    opt = pyt.QHM([torch.nn.Parameter(torch.ones(3))], lr=0.1, weight_decay=0.1)
+    opt.param_groups[0][key] = value
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt)), opt):
+        assert copied.param_groups[0][key] == value
+        copied.param_groups[0]["params"][0].grad = torch.ones(3)
+        with pytest.raises(ValueError, match=refused):
+            copied.step()
 
 
 @pytest.mark.parametrize("make", [QHAdam, QHMuon], ids=["QHAdam", "QHMuon"])
