@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conformance.cases import eight_bit_tolerance, narrow_state_cases, narrow_state_tolerance
+from conformance.cases import (
+    eight_bit_tolerance,
+    narrow_state_cases,
+    narrow_state_tolerance,
+    relative_state_distance,
+    stored_state_tolerance,
+)
 from conformance.problems import get_problem
 from qhoptim import convert, reference
 from qhoptim.torch import QHAdam, QHMuon, _state_dtype, qhmuon
@@ -277,33 +283,50 @@ def test_a_narrow_state_resumes_bit_for_bit(state_dtype: torch.dtype) -> None:
         assert torch.equal(p, q)
 
 
-def _deviation(case: Any, state_dtype: torch.dtype) -> float:
+def _deviation(case: Any, state_dtype: torch.dtype) -> tuple[float, float]:
     """How far 100 steps of the QHMuon ``case`` with ``state_dtype`` stray from
-    the same steps with float32 state (Newton-Schulz in float32 in both)."""
+    the same steps with float32 state (Newton-Schulz in float32 in both): the
+    trajectories' largest relative distance, and the buffers'."""
     problem = get_problem(case.problem_name)
 
-    def trajectory(state_dtype: torch.dtype | None) -> np.ndarray:
+    def run(state_dtype: torch.dtype | None) -> tuple[np.ndarray, list[np.ndarray]]:
         params = [torch.tensor(a, dtype=torch.float32) for a in problem.split(problem.x0)]
         settings = {"weight_decay": 0.0, **case.hparams}
         opt = QHMuon(params, **settings, ns_dtype=torch.float32, state_dtype=state_dtype)
-        out = []
+        out, states = [], []
         for t in range(100):
             x = problem.join([p.numpy() for p in params])
             for p, g in zip(params, problem.split(problem.grad(x, t)), strict=True):
                 p.grad = torch.tensor(g, dtype=torch.float32)
             opt.step()
             out.append(problem.join([p.numpy() for p in params]))
-        return np.array(out)
+            states.append(
+                np.concatenate(
+                    [
+                        opt.decoded_state(p)["momentum_buffer"].double().numpy().ravel()
+                        for p in params
+                    ]
+                )
+            )
+        return np.array(out), states
 
-    wide, narrow = trajectory(None), trajectory(state_dtype)
-    return float((np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)).max())
+    (wide, wide_states), (narrow, narrow_states) = run(None), run(state_dtype)
+    trajectory = float((np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)).max())
+    return trajectory, relative_state_distance(narrow_states, wide_states)
 
 
-# Measured: bfloat16 2.6e-3 at most, 8-bit 1.1e-2 (nu = 0 reads no buffer: 0).
+# Measured: bfloat16 2.6e-3 at most, 8-bit 1.1e-2 (nu = 0 reads no buffer: 0);
+# the buffers: bfloat16 1.6e-2, 8-bit 5.4e-2 (the trajectories alone strayed
+# 0.7% with the buffer reset at every step).
 @pytest.mark.parametrize("case", narrow_state_cases(("qhmuon",)), ids=lambda c: c.name)
 def test_narrow_state_follows_float32_state_on_the_conformance_matrices(case: Any) -> None:
-    assert _deviation(case, BF16) <= narrow_state_tolerance(case)
-    assert _deviation(case, U8) <= eight_bit_tolerance(case)
+    for dtype, trajectory_limit, eight_bit in (
+        (BF16, narrow_state_tolerance(case), False),
+        (U8, eight_bit_tolerance(case), True),
+    ):
+        trajectory, state = _deviation(case, dtype)
+        assert trajectory <= trajectory_limit
+        assert state <= stored_state_tolerance(case, eight_bit=eight_bit)
 
 
 def test_a_matrix_larger_than_a_working_copy_chunk_steps_whole(monkeypatch: Any) -> None:

@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from conformance.cases import eight_bit_tolerance, narrow_state_cases, narrow_state_tolerance
+from conformance.cases import (
+    eight_bit_tolerance,
+    narrow_state_cases,
+    narrow_state_tolerance,
+    relative_state_distance,
+    stored_state_tolerance,
+)
 from conformance.problems import get_problem
 from qhoptim import rounding
 from qhoptim.torch import QHM, QHAdam, QHAdamW, _state_dtype
@@ -126,31 +132,44 @@ def test_every_path_takes_the_same_steps(cls: type, kwargs: dict[str, Any]) -> N
         torch.testing.assert_close(other, runs[0], rtol=1e-4, atol=1e-5)
 
 
-def _deviation(case: Any, state_dtype: torch.dtype) -> float:
+def states_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> np.ndarray:
+    """Every state of ``params``, read back as float64 (``decoded_state``), flat."""
+    decoded = [opt.decoded_state(p) for p in params]  # type: ignore[attr-defined]
+    return np.concatenate(
+        [np.zeros(0)] + [v.double().numpy().ravel() for d in decoded for _, v in sorted(d.items())]
+    )
+
+
+def _deviation(case: Any, state_dtype: torch.dtype) -> tuple[float, float]:
     """How far 100 steps of ``case`` with ``state_dtype`` stray from the same
-    steps with float32 state: the largest relative distance between the two."""
+    steps with float32 state: the largest relative distance between the two
+    trajectories, and between the two states after each step."""
     problem = get_problem(case.problem_name)
     hparams = {k: tuple(v) if isinstance(v, list) else v for k, v in case.hparams.items()}
 
-    def trajectory(state_dtype: torch.dtype | None) -> np.ndarray:
+    def run(state_dtype: torch.dtype | None) -> tuple[np.ndarray, list[np.ndarray]]:
         params = [torch.nn.Parameter(torch.tensor(a, dtype=F32)) for a in problem.split(problem.x0)]
         opt = CLASSES[case.optimizer](params, **hparams, state_dtype=state_dtype)
-        out = []
+        out, states = [], []
         for t in range(100):
             x = problem.join([p.detach().numpy() for p in params])
             for p, g in zip(params, problem.split(problem.grad(x, t)), strict=True):
                 p.grad = torch.tensor(g, dtype=F32)
             opt.step()
             out.append(problem.join([p.detach().numpy() for p in params]))
-        return np.array(out)
+            states.append(states_of(opt, params))
+        return np.array(out), states
 
-    wide, narrow = trajectory(None), trajectory(state_dtype)
-    return float((np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)).max())
+    (wide, wide_states), (narrow, narrow_states) = run(None), run(state_dtype)
+    trajectory = float((np.linalg.norm(narrow - wide, axis=1) / np.linalg.norm(wide, axis=1)).max())
+    return trajectory, relative_state_distance(narrow_states, wide_states)
 
 
 @pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
 def test_bfloat16_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
-    assert _deviation(case, BF16) <= narrow_state_tolerance(case)
+    trajectory, state = _deviation(case, BF16)
+    assert trajectory <= narrow_state_tolerance(case)
+    assert state <= stored_state_tolerance(case, eight_bit=False)
 
 
 def test_stochastic_rounding_is_unbiased_and_nearest_rounding_is_not() -> None:
@@ -441,7 +460,9 @@ def test_8_bit_rounding_is_unbiased_and_keeps_a_positive_second_moment() -> None
 
 @pytest.mark.parametrize("case", narrow_state_cases(), ids=lambda c: c.name)
 def test_8_bit_state_follows_float32_state_on_the_conformance_problems(case: Any) -> None:
-    assert _deviation(case, U8) <= eight_bit_tolerance(case)
+    trajectory, state = _deviation(case, U8)
+    assert trajectory <= eight_bit_tolerance(case)
+    assert state <= stored_state_tolerance(case, eight_bit=True)
 
 
 @pytest.mark.parametrize(("dtype", "n"), [(torch.bfloat16, 257), (torch.float16, 2049)])
