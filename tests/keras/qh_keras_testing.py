@@ -97,3 +97,18 @@ def make_mlp(d: int = 8, seed: int = 1) -> keras.Model:
 
 def flat_weights(model: keras.Model) -> np.ndarray:
     return np.concatenate([np.ravel(w) for w in model.get_weights()])
+
+
+def slot_values(opt: Any) -> np.ndarray:
+    """The optimizer's slots (its variables but the step count and the learning
+    rate, which are scalars), read back as float64, flat; empty before it is built."""
+    if not opt.built:
+        return np.zeros(0)
+    return np.concatenate(
+        [np.zeros(0)]
+        + [
+            np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(v, "float32")), np.float64).ravel()
+            for v in opt.variables
+            if len(v.shape) > 0
+        ]
+    )
