@@ -525,6 +525,16 @@ def _kept(value: Any) -> Any:
     return as_float(value)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether ``a`` is ``b`` or equal to it (a comparison that fails: not)."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # MLX's dtypes compare with dtypes alone
+        return False
+
+
 class CheckedAttributes:
     """Hyperparameters set after construction (``opt.beta_1 = 1.5``) checked
     as the constructor checks them, where a framework's own optimizers take
@@ -538,9 +548,18 @@ class CheckedAttributes:
     assignment is not checked again."""
 
     _CHECKS: ClassVar[Mapping[str, Callable[[Any, str], Any]]] = {}
+    #: Attributes the constructor alone sets (``state_dtype``: the state is
+    #: made in it); set to another value later, refused.
+    _FIXED: ClassVar[frozenset[str]] = frozenset({"state_dtype", "stochastic_rounding"})
 
     def __setattr__(self, name: str, value: Any) -> None:
-        check = self._CHECKS.get(name)
-        if check is not None and name in self.__dict__:
-            value = _kept(check(value, name))
+        if name in self.__dict__:
+            if name in self._FIXED and not _same(value, self.__dict__[name]):
+                raise ValueError(
+                    f"{name} is set when the optimizer is made (its state is made in it); "
+                    f"make another optimizer for another; received {name}={value!r}"
+                )
+            check = self._CHECKS.get(name)
+            if check is not None:
+                value = _kept(check(value, name))
         super().__setattr__(name, value)

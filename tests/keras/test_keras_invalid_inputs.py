@@ -185,6 +185,18 @@ def test_a_hyperparameter_set_later_is_checked_as_the_constructor_checks_it(
         assert type(getattr(opt, name)) is float and getattr(opt, name) == 0.5
 
 
+@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHMuon])
+@pytest.mark.parametrize(("name", "value"), [("state_dtype", None), ("stochastic_rounding", False)])
+def test_the_state_s_dtype_and_rounding_are_fixed_when_the_optimizer_is_made(
+    cls: type, name: str, value: object
+) -> None:
+    # The slots are made in them (the step rounds by them): changed later,
+    # they would no longer describe the slots. The same value is taken.
+    opt = cls(learning_rate=0.01, state_dtype="bfloat16", stochastic_rounding=True)
+    assert_refused_when_set(opt, name, value, rf"{name} is set when the optimizer is made")
+    setattr(opt, name, getattr(opt, name))
+
+
 @pytest.mark.parametrize(
     ("cls", "name"),
     [(qk.QHM, "weight_decay"), (qk.QHAdamW, "weight_decay"), (qk.QHMuon, "rms_rate")],

@@ -123,6 +123,18 @@ def test_a_hyperparameter_set_later_is_checked_as_the_constructor_checks_it(
         )
 
 
+@pytest.mark.parametrize("cls", [QHM, QHAdam, QHMuon])
+@pytest.mark.parametrize(("name", "value"), [("state_dtype", None), ("stochastic_rounding", False)])
+def test_the_state_s_dtype_and_rounding_are_fixed_when_the_optimizer_is_made(
+    cls: type, name: str, value: object
+) -> None:
+    # The state is made in them: changed later, they would no longer describe
+    # it (or change nothing). The same value is taken.
+    opt = cls(0.1, state_dtype=mx.bfloat16, stochastic_rounding=True)
+    assert_refused_when_set(opt, name, value, rf"{name} is set when the optimizer is made")
+    setattr(opt, name, getattr(opt, name))
+
+
 @pytest.mark.parametrize("value", [1, 0, "yes", None, mx.array(True)], ids=repr)
 @pytest.mark.parametrize("cls", [QHAdam, QHAdamW])
 def test_amsgrad_must_be_a_bool_as_in_the_reference(cls: type, value) -> None:
