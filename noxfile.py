@@ -342,7 +342,8 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None)
     # unless the session asks for more (QHOPTIM_REQUIRE_ALL=1: no skip at all).
     session.run(
         "python", "-m", "pytest", *TEST_TIMEOUT, *DURATIONS, *WORKERS, *args, *session.posargs,
-        env={"QHOPTIM_REQUIRE_ALL": "platform", **(env or {})},
+        env={"QHOPTIM_REQUIRE_ALL": os.environ.get("QHOPTIM_REQUIRE_ALL") or "platform"}
+        | (env or {}),
     )  # fmt: skip
 
 

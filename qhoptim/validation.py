@@ -526,12 +526,15 @@ def _kept(value: Any) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether ``a`` is ``b`` or equal to it (a comparison that fails: not)."""
+    """Whether ``a`` is ``b``, or equal to it and of its type (``1`` is not
+    ``True`` here: the other would be kept in its place)."""
     if a is b:
         return True
+    if type(a) is not type(b):
+        return False
     try:
         return bool(a == b)
-    except (TypeError, ValueError):  # MLX's dtypes compare with dtypes alone
+    except (TypeError, ValueError):  # an array's comparison, say
         return False
 
 

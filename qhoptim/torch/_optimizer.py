@@ -442,7 +442,8 @@ class NarrowStateOptimizer(Optimizer):
         # torch's load_state_dict comes here too, with the state and groups alone.
         state = dict(state)
         stored_as = state.pop(_STORED_AS, None)
-        changed = state.pop(_CHANGED, None) or [False] * len(state.get("param_groups", []))
+        # (A pickle without the record, of an earlier version: every group.)
+        changed = state.pop(_CHANGED, None) or [True] * len(state.get("param_groups", []))
         super().__setstate__(state)
         wanted = [group.get("state_dtype") for group in self.param_groups]
         if stored_as is not None:  # a state_dtype changed before the copy, not yet converted:
@@ -471,30 +472,18 @@ class NarrowStateOptimizer(Optimizer):
         strings, None and tensors, as torch's own optimizers' do
         (``torch.distributed.checkpoint`` flattens and offloads such state
         dicts). :meth:`load_state_dict` reads the names back, and takes the
-        dtypes themselves too. A group's ``state_dtype`` is the one its state
-        is stored in: one changed since the last step is not yet (the step
-        converts it), and an optimizer that loads the state dict converts it to
-        its own group's, as it would a checkpoint saved in another dtype."""
-        # Written before the post-hooks run (which may drop or reorder groups),
-        # as torch runs them after it writes the groups.
-        hooks = self._optimizer_state_dict_post_hooks
-        self._optimizer_state_dict_post_hooks = type(hooks)()
+        dtypes themselves too. The changes made to groups since the last step
+        are made first, as the next step would make them (a ``state_dtype``
+        changed: the state converted), so that the state dict holds state in
+        its groups' dtypes; where the step would refuse one, the groups are
+        written as they are (and :meth:`load_state_dict` refuses them)."""
         try:
-            state_dict = super().state_dict()
-        finally:
-            self._optimizer_state_dict_post_hooks = hooks
-        groups = [
-            {**saved, "state_dtype": self._stored_dtype(group)}
-            if "state_dtype" in saved and saved["state_dtype"] is not self._stored_dtype(group)
-            else saved
-            for saved, group in zip(state_dict["param_groups"], self.param_groups, strict=True)
-        ]
-        state_dict = {**state_dict, "param_groups": groups_with_dtype_names(groups)}
-        for hook in hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+            changes = self._check_changed_groups()
+        except (TypeError, ValueError):  # the step's error; the state dict still written
+            changes = []
+        self._take_changes(changes)
+        state_dict = super().state_dict()
+        return {**state_dict, "param_groups": groups_with_dtype_names(state_dict["param_groups"])}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the optimizer state, after checking it fits this optimizer.

@@ -231,16 +231,9 @@ def check_state_dict(optimizer: Any, state_dict: Any) -> None:
                 f"{what}: param group {i} holds {foreign}, which {name} does not take; "
                 "is this the state dict of another optimizer?"
             )
-        # Checked as the group will be once loaded: a 1.1.0 group's
-        # weight-decay key read first (the group's own setting, not one given
-        # beside the optimizer's defaults), and this optimizer's own storage
-        # (state_dtype and stochastic_rounding stay this optimizer's; the
-        # loaded state is converted to them), beside the saved group's flags.
-        storage = {k: group[k] for k in ("state_dtype", "stochastic_rounding") if k in group}
-        optimizer._check_group(
-            {**optimizer.defaults, **optimizer._renamed(saved, warn=False), **storage}
-        )
-        _state_dtype.check_state_dtype({"state_dtype": saved.get("state_dtype")})  # stored in
+        # A 1.1.0 group's weight-decay key read first: it is the group's own
+        # setting, not one given beside the optimizer's defaults.
+        optimizer._check_group({**optimizer.defaults, **optimizer._renamed(saved, warn=False)})
         params.update(zip(saved["params"], group["params"], strict=True))
         if _state_dtype.eight_bit(saved.get("state_dtype")):
             packed.update(saved["params"])

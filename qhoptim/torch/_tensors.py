@@ -51,10 +51,6 @@ from torch.optim.optimizer import Optimizer
 #   the load-state-dict pre-hooks are run once before qhoptim checks the state
 #   dict and are then hidden from torch's ``load_state_dict``; torch has no
 #   public accessor for them.
-# * ``Optimizer._optimizer_state_dict_post_hooks`` (``state_dict``): hidden
-#   from torch's ``state_dict`` and run after qhoptim writes each group's
-#   stored dtype, so that a hook sees (and may drop or reorder) the groups as
-#   written; no public accessor either.
 # * ``_step_supports_amp_scaling`` (set by ``fused=True`` optimizers): the
 #   attribute ``torch.amp.GradScaler`` reads to hand a fused step its
 #   ``grad_scale`` and ``found_inf``, as torch's fused Adam sets it.

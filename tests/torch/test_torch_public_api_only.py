@@ -43,10 +43,6 @@ ALLOWED: dict[str, str] = {
     "._optimizer_load_state_dict_pre_hooks": (
         "the load pre-hooks run before qhoptim's checks; torch has no public accessor"
     ),
-    "._optimizer_state_dict_post_hooks": (
-        "the state-dict post-hooks run after qhoptim writes the groups' stored dtypes; "
-        "torch has no public accessor"
-    ),
     "._step_supports_amp_scaling": "GradScaler's protocol for fused steps",
     **{
         f"torch._foreach_{op}": _FOREACH

@@ -513,9 +513,11 @@ def test_a_group_s_state_dtype_changed_converts_its_state_as_loading_does(
 def test_a_state_dict_taken_before_a_changed_state_dtype_is_converted_loads_and_resumes(
     make: Callable[..., torch.optim.Optimizer], was: Any, now: Any
 ) -> None:
-    # Between the change and the step that converts the state, the state dict
-    # names the dtype the state is stored in (an optimizer built with the new
-    # one converts it on load) and decoded_state reads the state as stored.
+    # Between the change and the step that would convert the state,
+    # decoded_state reads the state as stored, and state_dict() makes the
+    # change first, as the step would: the state dict holds the converted
+    # state, which an optimizer built with the new dtype loads and steps on
+    # from as the original does.
     gen = torch.Generator().manual_seed(6)
     shape = (16, 24)
     kwargs = {"lr": 0.1} if make is QHM else {}
@@ -534,7 +536,7 @@ def test_a_state_dict_taken_before_a_changed_state_dtype_is_converted_loads_and_
     for key, value in changed.decoded_state(param).items():
         assert torch.equal(value, decoded[key]), key
     saved = copy.deepcopy(changed.state_dict())
-    assert saved["param_groups"][0]["state_dtype"] == (None if was is None else str(was))
+    assert saved["param_groups"][0]["state_dtype"] == (None if now is None else str(now))
     loaded, loaded_param = made(now)
     with torch.no_grad():
         loaded_param.copy_(param)
@@ -559,9 +561,8 @@ def test_a_state_dict_taken_before_a_changed_state_dtype_is_converted_loads_and_
 def test_a_state_dict_taken_before_a_change_with_its_flags_loads(
     was: dict[str, Any], now: dict[str, Any]
 ) -> None:
-    # The state dict holds the dtype the state is stored in beside the group's
-    # new flags, a pair no group could be made with: a group is checked as it
-    # will be once loaded, in the loading optimizer's own storage.
+    # state_dict() makes the change first: its group holds the new dtype
+    # beside the new flags, a pair a group can be made with and loaded from.
     param = torch.nn.Parameter(torch.ones(8, 4))
     opt = QHAdam([param], **was)
     param.grad = torch.full((8, 4), 0.5)
@@ -578,9 +579,8 @@ def test_a_state_dict_taken_before_a_change_with_its_flags_loads(
     assert torch.equal(param, fresh_param)
 
 
-def test_state_dict_post_hooks_see_the_written_groups() -> None:
-    # The stored dtypes are written before the post-hooks run: a hook may drop
-    # a group (a frozen one, say), as with torch's optimizers.
+def test_state_dict_post_hooks_may_drop_a_group() -> None:
+    # As with torch's optimizers: a hook may drop a group (a frozen one, say).
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))]
     opt = QHAdam([{"params": [params[0]]}, {"params": [params[1]], "state_dtype": torch.bfloat16}])
 
@@ -607,7 +607,13 @@ def test_a_copy_checks_a_group_changed_before_it_was_made(
 
     opt = pyt.QHM([torch.nn.Parameter(torch.ones(3))], lr=0.1, weight_decay=0.1)
     opt.param_groups[0][key] = value
-    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt)), opt):
+    # A pickle of an earlier version, which did not say which groups changed:
+    # every group is checked.
+    earlier = type(opt).__new__(type(opt))
+    earlier.__setstate__(
+        {k: v for k, v in copy.deepcopy(opt.__getstate__()).items() if k != "_qhoptim_changed"}
+    )
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt)), earlier, opt):
         assert copied.param_groups[0][key] == value
         copied.param_groups[0]["params"][0].grad = torch.ones(3)
         with pytest.raises(ValueError, match=refused):
