@@ -50,7 +50,7 @@ import enum
 import math
 from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 try:
     import mlx.core as mx
@@ -262,6 +262,12 @@ def _check_real(parameter: mx.array) -> None:
 _MLX_LEARNING_RATE: Any = vars(optim.Optimizer)["learning_rate"]
 
 
+class _DtypeName(NamedTuple):
+    """An MLX dtype in a copy or a pickle, by its name (``"bfloat16"``)."""
+
+    name: str
+
+
 class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
     """What every optimizer here shares: the state's dtype (``state_dtype``),
     its rounding seeds, the conversion of a state loaded in another dtype, and
@@ -277,6 +283,19 @@ class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
     def learning_rate(self, value: float | mx.array) -> None:
         validation.check_lr(value, "learning_rate")
         _MLX_LEARNING_RATE.fset(self, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # MLX's dtypes do not pickle (MLX's own optimizers hold none): a copy
+        # or a pickle carries their names.
+        return {
+            k: _DtypeName(_dtype_name(v) or "") if isinstance(v, mx.Dtype) else v
+            for k, v in self.__dict__.items()
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(
+            {k: getattr(mx, v.name) if isinstance(v, _DtypeName) else v for k, v in state.items()}
+        )
 
     def _set_state_dtype(self, state_dtype: Any, stochastic_rounding: Any) -> None:
         name = _dtype_name(state_dtype)
@@ -370,11 +389,15 @@ class _QHOptimizer(_NarrowState):
     decoupled_weight_decay: bool
 
     def apply_gradients(self, gradients: dict[str, Any], parameters: dict[str, Any]) -> Any:
+        # The step's coefficients by dtype, and what the C++ step reads that is
+        # the same for every parameter of a step (_kernel_step): made on first
+        # need, and of this step only.
         self._coefficients: dict[Any, Any] = {}
-        # What the C++ step reads that is the same for every parameter of a
-        # step (_kernel_step), made on first need.
         self._kernel_step: dict[str, Any] = {}
-        return super().apply_gradients(gradients, parameters)
+        try:
+            return super().apply_gradients(gradients, parameters)
+        finally:
+            self._coefficients, self._kernel_step = {}, {}
 
     def _coefficients_for(self, dtype: mx.Dtype) -> Any:
         if dtype not in self._coefficients:

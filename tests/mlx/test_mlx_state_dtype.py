@@ -143,6 +143,30 @@ def test_a_resumed_run_rounds_as_the_uninterrupted_one(name: str, tmp_path: Any)
         assert np.array_equal(np.array(final[k]), np.array(resumed_final[k]))
 
 
+@pytest.mark.parametrize("state_dtype", [None, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["QHM", "QHAdam", "QHMuon"])
+def test_a_copy_or_a_pickle_steps_as_the_optimizer(name: str, state_dtype: Any) -> None:
+    # As MLX's own optimizers copy and pickle (their state's arrays): the
+    # state's dtype and the step's dtype-keyed values do not pickle as they are.
+    import copy
+    import pickle
+
+    shape = (3, 4) if name == "QHMuon" else (5,)
+    opt = getattr(qhmlx, name)(0.1, state_dtype=state_dtype)
+    params = {"w": mx.ones(shape)}
+    grads = {"w": mx.full(shape, 0.3)}
+    params = opt.apply_gradients(grads, params)
+    copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    want = np.array(opt.apply_gradients(grads, params)["w"])
+    for other in copies:
+        assert (
+            other.state_dtype == state_dtype
+            if state_dtype is not None
+            else other.state_dtype is None
+        )
+        np.testing.assert_array_equal(np.array(other.apply_gradients(grads, params)["w"]), want)
+
+
 def test_float16_state_and_rounding_off_round_to_nearest() -> None:
     # float16 for QHM's buffer; QHAdam's second moment refuses it (below).
     for make, slot, kwargs in (
