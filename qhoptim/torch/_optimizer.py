@@ -211,6 +211,11 @@ def as_numbers(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The group keys a state's storage is checked with: its dtype, its rounding,
+#: and the flags a narrow state excludes (``_state_dtype.check_state_dtype``).
+STORAGE_KEYS = ("state_dtype", "stochastic_rounding", "capturable", "differentiable")
+
+
 class _CheckedGroup(NamedTuple):
     """A param group as it was last checked: its values (all but ``params``),
     read back by ``values_of``, and the dtype its state is stored in."""
@@ -220,6 +225,9 @@ class _CheckedGroup(NamedTuple):
     values_of: Callable[[dict[str, Any]], tuple[Any, ...]]
     values: tuple[Any, ...]
     state_dtype: torch.dtype | None
+    #: The values of the keys the state's storage is checked with
+    #: (:data:`STORAGE_KEYS`), as checked.
+    storage: dict[str, Any]
 
     @classmethod
     def of(cls, group: dict[str, Any]) -> _CheckedGroup:
@@ -229,7 +237,10 @@ class _CheckedGroup(NamedTuple):
             values_of = operator.itemgetter(*keys)  # a tuple, in C
         else:
             values_of = lambda g: tuple(g[k] for k in keys)  # noqa: E731
-        return cls(group, len(group), values_of, values_of(group), group.get("state_dtype"))
+        storage = {k: group[k] for k in STORAGE_KEYS if k in group}
+        return cls(
+            group, len(group), values_of, values_of(group), group.get("state_dtype"), storage
+        )
 
     def unchanged(self) -> bool:
         """Whether the group holds the values checked: each the same object
@@ -472,18 +483,32 @@ class NarrowStateOptimizer(Optimizer):
         strings, None and tensors, as torch's own optimizers' do
         (``torch.distributed.checkpoint`` flattens and offloads such state
         dicts). :meth:`load_state_dict` reads the names back, and takes the
-        dtypes themselves too. The changes made to groups since the last step
-        are made first, as the next step would make them (a ``state_dtype``
-        changed: the state converted), so that the state dict holds state in
-        its groups' dtypes; where the step would refuse one, the groups are
-        written as they are (and :meth:`load_state_dict` refuses them)."""
-        try:
-            changes = self._check_changed_groups()
-        except (TypeError, ValueError):  # the step's error; the state dict still written
-            changes = []
-        self._take_changes(changes)
+        dtypes themselves too. A group whose ``state_dtype`` changed since the
+        last step (its state is converted at the next) is written with the
+        storage its state is in -- the dtype, rounding and flags it was last
+        checked with (:data:`STORAGE_KEYS`) -- a group that loads; an optimizer
+        that loads it converts the state to its own ``state_dtype``, as it
+        would a checkpoint saved in another. Nothing is changed here."""
         state_dict = super().state_dict()
-        return {**state_dict, "param_groups": groups_with_dtype_names(state_dict["param_groups"])}
+        if not isinstance(state_dict, dict) or not isinstance(
+            state_dict.get("param_groups"), (list, tuple)
+        ):
+            return state_dict  # a post-hook's own layout
+        groups = list(state_dict["param_groups"])
+        if len(groups) == len(self.param_groups):  # else a post-hook's: not matched
+            groups = [
+                {**saved, **self._stored_storage(group)} if isinstance(saved, dict) else saved
+                for saved, group in zip(groups, self.param_groups, strict=True)
+            ]
+        return {**state_dict, "param_groups": groups_with_dtype_names(groups)}
+
+    def _stored_storage(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The storage values (:data:`STORAGE_KEYS`) ``group``'s state is in,
+        where its ``state_dtype`` changed since its last check; else none."""
+        record = self.__dict__.get("_checked_groups", {}).get(id(group))
+        if record is None or record.group is not group:
+            return {}
+        return record.storage if record.state_dtype != group.get("state_dtype") else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the optimizer state, after checking it fits this optimizer.
@@ -585,7 +610,11 @@ class NarrowStateOptimizer(Optimizer):
             wanted = group.get("state_dtype")
             if stored_as is not _UNKNOWN and wanted != stored_as:
                 group["state_dtype"] = stored_as  # what _convert_state converts from
-                self._convert_state(group, wanted)
+                try:
+                    self._convert_state(group, wanted)
+                except BaseException:
+                    group["state_dtype"] = wanted  # still to be made: the next step tries again
+                    raise
             self._remember_checked(group)
         if len(checked) > len(self.param_groups):  # groups replaced: their records go
             current = {id(group) for group in self.param_groups}

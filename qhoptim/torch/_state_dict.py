@@ -233,7 +233,14 @@ def check_state_dict(optimizer: Any, state_dict: Any) -> None:
             )
         # A 1.1.0 group's weight-decay key read first: it is the group's own
         # setting, not one given beside the optimizer's defaults.
-        optimizer._check_group({**optimizer.defaults, **optimizer._renamed(saved, warn=False)})
+        renamed = {**optimizer.defaults, **optimizer._renamed(saved, warn=False)}
+        optimizer._check_group(renamed)
+        if group.get("state_dtype") != renamed.get("state_dtype"):
+            # Loaded, the group keeps this optimizer's storage (load_state_dict
+            # converts the state): checked too as it will then be, with the
+            # saved flags (capturable=True beside a narrow state is refused).
+            storage = {k: group.get(k) for k in ("state_dtype", "stochastic_rounding")}
+            optimizer._check_group({**renamed, **storage})
         params.update(zip(saved["params"], group["params"], strict=True))
         if _state_dtype.eight_bit(saved.get("state_dtype")):
             packed.update(saved["params"])

@@ -513,11 +513,10 @@ def test_a_group_s_state_dtype_changed_converts_its_state_as_loading_does(
 def test_a_state_dict_taken_before_a_changed_state_dtype_is_converted_loads_and_resumes(
     make: Callable[..., torch.optim.Optimizer], was: Any, now: Any
 ) -> None:
-    # Between the change and the step that would convert the state,
-    # decoded_state reads the state as stored, and state_dict() makes the
-    # change first, as the step would: the state dict holds the converted
-    # state, which an optimizer built with the new dtype loads and steps on
-    # from as the original does.
+    # Between the change and the step that converts the state, decoded_state
+    # reads the state as stored, and the state dict names the dtype it is
+    # stored in: an optimizer built with the new one converts it on load, and
+    # steps on from there as the original does.
     gen = torch.Generator().manual_seed(6)
     shape = (16, 24)
     kwargs = {"lr": 0.1} if make is QHM else {}
@@ -536,7 +535,7 @@ def test_a_state_dict_taken_before_a_changed_state_dtype_is_converted_loads_and_
     for key, value in changed.decoded_state(param).items():
         assert torch.equal(value, decoded[key]), key
     saved = copy.deepcopy(changed.state_dict())
-    assert saved["param_groups"][0]["state_dtype"] == (None if now is None else str(now))
+    assert saved["param_groups"][0]["state_dtype"] == (None if was is None else str(was))
     loaded, loaded_param = made(now)
     with torch.no_grad():
         loaded_param.copy_(param)
@@ -561,8 +560,9 @@ def test_a_state_dict_taken_before_a_changed_state_dtype_is_converted_loads_and_
 def test_a_state_dict_taken_before_a_change_with_its_flags_loads(
     was: dict[str, Any], now: dict[str, Any]
 ) -> None:
-    # state_dict() makes the change first: its group holds the new dtype
-    # beside the new flags, a pair a group can be made with and loaded from.
+    # The state dict writes the storage the state is in (dtype, rounding and
+    # the flags it was checked with), not the stored dtype beside the new
+    # flags, a pair no group could be made with or loaded from.
     param = torch.nn.Parameter(torch.ones(8, 4))
     opt = QHAdam([param], **was)
     param.grad = torch.full((8, 4), 0.5)
@@ -577,6 +577,27 @@ def test_a_state_dict_taken_before_a_change_with_its_flags_loads(
         p.grad = torch.full((8, 4), 0.25)
         o.step()
     assert torch.equal(param, fresh_param)
+
+
+def test_a_group_is_checked_as_it_will_be_once_loaded() -> None:
+    # Loaded, a group keeps this optimizer's state_dtype beside the saved
+    # flags: capturable=True saved, loaded into a bfloat16-state optimizer, is
+    # a pair no group can be made with -- refused, and nothing changes.
+    param = torch.nn.Parameter(torch.ones(4))
+    saved_opt = QHAdam([param], capturable=True)
+    param.grad = torch.ones(4)
+    saved_opt.step()
+    opt = QHAdam([torch.nn.Parameter(torch.ones(4))], state_dtype=torch.bfloat16)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="state_dtype is not supported with capturable=True"):
+        opt.load_state_dict(saved_opt.state_dict())
+    _assert_same(opt.state_dict(), before)
+
+
+def test_a_post_hook_s_own_layout_is_returned_as_it_is() -> None:
+    opt = QHAdam([torch.nn.Parameter(torch.ones(3))], state_dtype=torch.bfloat16)
+    opt.register_state_dict_post_hook(lambda optimizer, sd: {"optim": sd})
+    assert list(opt.state_dict()) == ["optim"]
 
 
 def test_state_dict_post_hooks_may_drop_a_group() -> None:
