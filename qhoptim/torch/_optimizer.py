@@ -43,6 +43,7 @@ _DTYPE = operator.attrgetter("dtype")
 # The key of a pickled optimizer's state dtypes (NarrowStateOptimizer.__getstate__).
 _STORED_AS = "_qhoptim_stored_as"
 _CHANGED = "_qhoptim_changed"
+_STORAGE = "_qhoptim_storage"
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _TORCH_FLAGS = {
@@ -441,13 +442,21 @@ class NarrowStateOptimizer(Optimizer):
         # step does not yet match), by position: the records are by identity.
         # It carries too which groups changed since they were checked: the
         # copy's next step checks them, as the original's would.
+        # And the storage values a group's state is in where its state_dtype
+        # changed (what its state dict writes: _stored_storage).
         stored_as = [self._stored_dtype(group) for group in self.param_groups]
         checked = self.__dict__.get("_checked_groups", {})
         changed = []
         for group in self.param_groups:
             record = checked.get(id(group))
             changed.append(record is None or record.group is not group or not record.unchanged())
-        return {**super().__getstate__(), _STORED_AS: stored_as, _CHANGED: changed}
+        storage = [self._stored_storage(group) for group in self.param_groups]
+        return {
+            **super().__getstate__(),
+            _STORED_AS: stored_as,
+            _CHANGED: changed,
+            _STORAGE: storage,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's load_state_dict comes here too, with the state and groups alone.
@@ -455,6 +464,7 @@ class NarrowStateOptimizer(Optimizer):
         stored_as = state.pop(_STORED_AS, None)
         # (A pickle without the record, of an earlier version: every group.)
         changed = state.pop(_CHANGED, None) or [True] * len(state.get("param_groups", []))
+        storage = state.pop(_STORAGE, None) or [{}] * len(changed)
         super().__setstate__(state)
         wanted = [group.get("state_dtype") for group in self.param_groups]
         if stored_as is not None:  # a state_dtype changed before the copy, not yet converted:
@@ -462,8 +472,12 @@ class NarrowStateOptimizer(Optimizer):
                 group["state_dtype"] = dtype  # what the state is stored in, for the upgrade
         self._upgrade_groups()
         self._checked_groups: dict[int, _CheckedGroup] = {}
-        for group, dtype, was_changed in zip(self.param_groups, wanted, changed, strict=True):
+        for group, dtype, was_changed, stored in zip(
+            self.param_groups, wanted, changed, storage, strict=True
+        ):
             record = _CheckedGroup.of(group)
+            if stored:  # the storage the state is in, not the group's new flags
+                record = record._replace(storage=stored)
             # A group the original had yet to check again: a record that
             # never reads as unchanged, so that the next step checks it.
             self._checked_groups[id(group)] = record._replace(size=-1) if was_changed else record
@@ -508,7 +522,7 @@ class NarrowStateOptimizer(Optimizer):
         record = self.__dict__.get("_checked_groups", {}).get(id(group))
         if record is None or record.group is not group:
             return {}
-        return record.storage if record.state_dtype != group.get("state_dtype") else {}
+        return {} if _same_value(record.state_dtype, group.get("state_dtype")) else record.storage
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the optimizer state, after checking it fits this optimizer.

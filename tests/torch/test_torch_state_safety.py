@@ -8,6 +8,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from qh_torch_testing import random_grads, run_torch
@@ -567,6 +568,14 @@ def test_a_state_dict_taken_before_a_change_with_its_flags_loads(
     opt = QHAdam([param], **was)
     param.grad = torch.full((8, 4), 0.5)
     opt.step()
+    opt.param_groups[0].update(now)
+    # A copy's state dict is the original's (the copy knows the storage too).
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        _assert_same(copied.state_dict(), opt.state_dict())
+    opt.param_groups[0]["state_dtype"] = np.array([1, 2])  # not a dtype: the state dict written
+    assert opt.state_dict()["param_groups"][0]["state_dtype"] == (
+        None if was.get("state_dtype") is None else str(was["state_dtype"])
+    )
     opt.param_groups[0].update(now)
     saved = copy.deepcopy(opt.state_dict())
     fresh_param = torch.nn.Parameter(param.detach().clone())
