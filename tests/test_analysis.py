@@ -334,11 +334,17 @@ def test_figure_setting_bound_decreases_with_nu2_up_to_a_point():
     grid = np.linspace(0.001, 1.0, 999 * 4 + 1)  # step 0.00025
     bounds = np.array([qhadam_update_bound(nu1, beta1, v, beta2) for v in grid])
     at_one = bounds[-1]
-    assert at_one == pytest.approx(1.952, abs=5e-4)
+    # The limit as the rule reaches it: the update of the maximizing gradients
+    # after many steps ((beta1^2 / beta2)^t is below 1e-30 at t = 1000).
+    x = qhadam_maximizing_gradients(nu1, beta1, 1.0, beta2, 1000, normalize=True)
+    assert qhadam_updates(np.array(x), nu1, beta1, 1.0, beta2)[-1] == pytest.approx(at_one)
+    assert at_one == pytest.approx(1.952, abs=5e-4)  # as docs/analysis.md quotes it
     i = int(np.argmin(bounds))
     nu2_star, best = qhadam_bound_optimal_nu2(nu1, beta1, beta2)
-    # the closed-form optimum agrees with the grid, and is far below the Adam-like nu2 = 1
+    # the closed-form optimum agrees with the grid (quoted in docs/analysis.md),
+    # and is far below the Adam-like nu2 = 1
     assert abs(grid[i] - nu2_star) <= 0.00025
+    assert bounds[i] == pytest.approx(best, rel=1e-6)
     assert nu2_star == pytest.approx(0.8156, abs=1e-4)
     assert best == pytest.approx(1.1955, abs=1e-4)
     assert best <= bounds.min() and best < 0.62 * at_one
