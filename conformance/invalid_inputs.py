@@ -182,6 +182,17 @@ def assert_refused_when_set(
     assert getattr(optimizer, name) == before
 
 
+def assert_fixed_after_construction(optimizer: Any, name: str, value: Any) -> None:
+    """``optimizer.<name>`` (``state_dtype``, ``stochastic_rounding``: the state
+    is made in them) is refused when set to ``value``, or to an equal value of
+    another type, after construction; set to itself, it is taken (Keras, MLX)."""
+    message = rf"{name} is set when the optimizer is made"
+    assert_refused_when_set(optimizer, name, value, message)
+    setattr(optimizer, name, getattr(optimizer, name))
+    if name == "stochastic_rounding":  # equal, but not the same: it would be kept instead
+        assert_refused_when_set(optimizer, name, 1, message)
+
+
 def backend_kwargs(backend: str, family: str, entry: Invalid) -> dict[str, Any]:
     """Valid keyword arguments of ``backend``'s ``family`` optimizer, with ``entry`` put in.
 
