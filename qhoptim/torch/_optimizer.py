@@ -445,11 +445,8 @@ class NarrowStateOptimizer(Optimizer):
         # And the storage values a group's state is in where its state_dtype
         # changed (what its state dict writes: _stored_storage).
         stored_as = [self._stored_dtype(group) for group in self.param_groups]
-        checked = self.__dict__.get("_checked_groups", {})
-        changed = []
-        for group in self.param_groups:
-            record = checked.get(id(group))
-            changed.append(record is None or record.group is not group or not record.unchanged())
+        records = [self._record_of(group) for group in self.param_groups]
+        changed = [record is None or not record.unchanged() for record in records]
         storage = [self._stored_storage(group) for group in self.param_groups]
         return {
             **super().__getstate__(),
@@ -519,8 +516,8 @@ class NarrowStateOptimizer(Optimizer):
     def _stored_storage(self, group: dict[str, Any]) -> dict[str, Any]:
         """The storage values (:data:`STORAGE_KEYS`) ``group``'s state is in,
         where its ``state_dtype`` changed since its last check; else none."""
-        record = self.__dict__.get("_checked_groups", {}).get(id(group))
-        if record is None or record.group is not group:
+        record = self._record_of(group)
+        if record is None:
             return {}
         return {} if _same_value(record.state_dtype, group.get("state_dtype")) else record.storage
 
@@ -595,17 +592,15 @@ class NarrowStateOptimizer(Optimizer):
         """
         if torch.compiler.is_compiling():
             return []
-        checked = self.__dict__.setdefault("_checked_groups", {})
         changed: list[_GroupChange] = []
         for group in self.param_groups:
-            record = checked.get(id(group))
-            known = record is not None and record.group is group
-            if known and record.unchanged():
+            record = self._record_of(group)
+            if record is not None and record.unchanged():
                 continue
             lr = group["lr"]
             on_device = isinstance(lr, Tensor) and lr.device.type != "cpu"
             self._check_group({**group, "lr": 0.0} if on_device else group)
-            changed.append(_GroupChange(group, record.state_dtype if known else _UNKNOWN))
+            changed.append(_GroupChange(group, _UNKNOWN if record is None else record.state_dtype))
         return changed
 
     def _take_changes(self, changes: list[_GroupChange]) -> None:
@@ -635,12 +630,17 @@ class NarrowStateOptimizer(Optimizer):
             for key in [key for key in checked if key not in current]:
                 del checked[key]
 
+    def _record_of(self, group: dict[str, Any]) -> _CheckedGroup | None:
+        """``group``'s record as last checked (None: never checked, or the
+        record of another group that had its ``id``)."""
+        record = self.__dict__.get("_checked_groups", {}).get(id(group))
+        return record if record is not None and record.group is group else None
+
     def _stored_dtype(self, group: dict[str, Any]) -> torch.dtype | None:
         """The dtype ``group``'s state is stored in: its record's, which a
         ``state_dtype`` changed since the last step does not yet match."""
-        record = self.__dict__.get("_checked_groups", {}).get(id(group))
-        known = record is not None and record.group is group
-        return record.state_dtype if known else group.get("state_dtype")
+        record = self._record_of(group)
+        return group.get("state_dtype") if record is None else record.state_dtype
 
     def _convert_state(self, group: dict[str, Any], dtype: torch.dtype | None) -> None:
         """Store ``group``'s state in ``dtype`` (None: the parameters' own)."""
