@@ -258,8 +258,10 @@ def _check_real(parameter: mx.array) -> None:
         raise TypeError(f"qhoptim.mlx optimizes real floating-point arrays; got {parameter.dtype}")
 
 
-#: MLX's ``Optimizer.learning_rate`` property, which _NarrowState's wraps.
+#: MLX's ``Optimizer.learning_rate`` and ``Optimizer.state`` properties, which
+#: _NarrowState's wrap.
 _MLX_LEARNING_RATE: Any = vars(optim.Optimizer)["learning_rate"]
+_MLX_STATE: Any = vars(optim.Optimizer)["state"]
 
 
 class _DtypeName(NamedTuple):
@@ -271,8 +273,9 @@ class _DtypeName(NamedTuple):
 class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
     """What every optimizer here shares: the state's dtype (``state_dtype``),
     its rounding seeds, the conversion of a state loaded in another dtype, and
-    a ``learning_rate`` set after construction checked as the constructor
-    checks it (MLX's optimizers take a negative one and step uphill)."""
+    a ``learning_rate`` set after construction, or restored with a state
+    (``optimizer.state = ...``), checked as the constructor checks it (MLX's
+    optimizers take a negative one and step uphill)."""
 
     @property
     def learning_rate(self) -> mx.array:
@@ -283,6 +286,20 @@ class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
     def learning_rate(self, value: float | mx.array) -> None:
         validation.check_lr(value, "learning_rate")
         _MLX_LEARNING_RATE.fset(self, value)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        value: dict[str, Any] = _MLX_STATE.fget(self)
+        return value
+
+    @state.setter
+    def state(self, value: dict[str, Any]) -> None:
+        # A scheduled learning rate is the schedule's at the next step, not
+        # the one the state holds.
+        scheduled = "learning_rate" in self._schedulers
+        if isinstance(value, dict) and "learning_rate" in value and not scheduled:
+            validation.check_lr(value["learning_rate"], "learning_rate")
+        _MLX_STATE.fset(self, value)
 
     def __getstate__(self) -> dict[str, Any]:
         # MLX's dtypes do not pickle (MLX's own optimizers hold none): a copy

@@ -169,3 +169,24 @@ def test_a_learning_rate_set_later_is_checked_as_the_constructor_checks_it(cls: 
     assert opt.learning_rate.item() == 0.5
     with pytest.raises(ValueError, match=r"received learning_rate=nan"):
         opt.learning_rate = mx.array(float("nan"))
+
+
+@pytest.mark.parametrize("cls", [QHM, QHAdam, QHAdamW, QHMuon])
+def test_a_learning_rate_restored_with_a_state_is_checked(cls: type) -> None:
+    # opt.state = ... (a checkpoint's state) sets the learning rate MLX reads.
+    opt = cls(learning_rate=0.01)
+    opt.init({"w": mx.ones((4, 4))})
+    restored = dict(opt.state) | {"learning_rate": mx.array(-0.5)}
+    with pytest.raises(
+        ValueError, match=r"learning_rate must be in \[0, inf\); received learning_rate=-0.5"
+    ):
+        opt.state = restored
+    assert opt.learning_rate.item() == pytest.approx(0.01)
+    opt.state = dict(restored) | {"learning_rate": mx.array(0.5)}
+    assert opt.learning_rate.item() == 0.5
+    # A scheduled learning rate is the schedule's at the next step.
+    scheduled = cls(learning_rate=lambda step: 0.01 * mx.ones_like(step))
+    scheduled.init({"w": mx.ones((4, 4))})
+    scheduled.state = dict(scheduled.state) | {"learning_rate": mx.array(-0.5)}
+    scheduled.apply_gradients({"w": mx.ones((4, 4))}, {"w": mx.ones((4, 4))})
+    assert scheduled.learning_rate.item() == pytest.approx(0.01)
