@@ -258,6 +258,33 @@ def _check_real(parameter: mx.array) -> None:
         raise TypeError(f"qhoptim.mlx optimizes real floating-point arrays; got {parameter.dtype}")
 
 
+def _containers_of(tree: Any) -> list[tuple[Any, Any]]:
+    """Each dictionary and list of a state's tree with a copy of its items,
+    for :func:`_restore` (the arrays themselves are immutable)."""
+    found: list[tuple[Any, Any]] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            found.append((node, dict(node)))
+            pending.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            if isinstance(node, list):
+                found.append((node, list(node)))
+            pending.extend(node)
+    return found
+
+
+def _restore(containers: list[tuple[Any, Any]]) -> None:
+    """Put back the items :func:`_containers_of` copied, in place."""
+    for container, items in containers:
+        if isinstance(container, dict):
+            container.clear()
+            container.update(items)
+        else:
+            container[:] = items
+
+
 #: MLX's ``Optimizer.learning_rate`` and ``Optimizer.state`` properties, which
 #: _NarrowState's wrap.
 _MLX_LEARNING_RATE: Any = vars(optim.Optimizer)["learning_rate"]
@@ -341,8 +368,17 @@ class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
         self._gradients: Any = gradients
         self._step_seeds: mx.array | None = None
         self._positions: dict[tuple[int, ...], mx.array] = {}
+        # MLX steps the parameters one by one, writing each one's state as it
+        # goes: a step that fails part-way (a gradient of the wrong shape) puts
+        # the state back as it was, in the same dictionaries (which an
+        # ``mx.compile``-d step may hold).
+        before, initialized = _containers_of(self.state), self._initialized
         try:
             return super().apply_gradients(gradients, parameters)
+        except BaseException:
+            _restore(before)
+            self._initialized = initialized
+            raise
         finally:
             self._gradients, self._step_seeds, self._positions = None, None, {}
 

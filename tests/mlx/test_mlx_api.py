@@ -276,3 +276,40 @@ def test_concrete_numpy_scalars_are_held_as_python_floats() -> None:
     assert (qhm.momentum, qhm.nu, qhm.weight_decay) == (0.9, 0.7, 0.5)
     qhadam = qhmlx.QHAdam(0.1, betas=(np.float32(0.5), 0.999), nus=(np.array(0.7), 1.0))
     assert [type(x) for x in (*qhadam.betas, *qhadam.nus, qhadam.eps)] == [float] * 5
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (QHM, {}),
+        (QHAdam, {}),
+        (QHAdam, {"state_dtype": mx.bfloat16}),
+        (QHAdam, {"state_dtype": mx.bfloat16, "fused": False}),
+        (qhmlx.QHMuon, {}),
+    ],
+)
+def test_a_step_that_fails_part_way_leaves_the_state_as_it_was(cls: type, kwargs: dict) -> None:
+    # MLX steps the parameters in turn: the first one's state was written
+    # before the second one's gradient (of the wrong shape) failed.
+    def good(t: int) -> dict[str, mx.array]:
+        return {"a": mx.full((3, 3), 1.0 + t), "b": mx.full((4,), 2.0 - t)}
+
+    opt, twin = cls(learning_rate=0.1, **kwargs), cls(learning_rate=0.1, **kwargs)
+    params = opt.apply_gradients(good(0), {"a": mx.ones((3, 3)), "b": mx.ones((4,))})
+    twin_params = twin.apply_gradients(good(0), {"a": mx.ones((3, 3)), "b": mx.ones((4,))})
+    state = opt.state
+    held = [(d, dict(d)) for d in (state, state["a"], state["b"])]
+    with pytest.raises(ValueError):
+        opt.apply_gradients({"a": mx.ones((3, 3)), "b": mx.ones((5,))}, params)
+    assert opt.state is state  # the same dictionaries, which a compiled step holds
+    for d, items in held:
+        assert d.keys() == items.keys()
+        assert all(d[k] is v for k, v in items.items())
+    # The next step is the second, as if the failed one had not been tried.
+    params = opt.apply_gradients(good(1), params)
+    twin_params = twin.apply_gradients(good(1), twin_params)
+    assert opt.step.item() == twin.step.item() == 2
+    for k in params:
+        assert mx.array_equal(params[k], twin_params[k]).item()
+        for name in opt.state[k]:
+            assert mx.array_equal(opt.state[k][name], twin.state[k][name]).item(), (k, name)
