@@ -29,6 +29,7 @@ from qhoptim.optax._tree import (
     flatten,
     hyperparameter_in,
     inexact_dtype,
+    narrow_working_dtype,
     real_dtype,
 )
 
@@ -212,8 +213,8 @@ def scale_by_qhadam(
                 new_exp_avg_sqs.append(exp_avg_sq)
                 new_maxes.append(max_sq)
                 continue
-            # The parameters' real dtype; a narrow state steps in the gradient's.
-            dtype = exp_avg_sq.dtype if state_dtype is None else real_dtype(g.dtype)
+            # The parameters' real dtype; a narrow state steps in narrow_working_dtype.
+            dtype = exp_avg_sq.dtype if state_dtype is None else narrow_working_dtype(g.dtype)
             stored = (exp_avg, exp_avg_sq, max_sq)
             if state_dtype is not None:
                 exp_avg, exp_avg_sq = load(exp_avg, dtype), load(exp_avg_sq, dtype)

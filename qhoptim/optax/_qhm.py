@@ -26,7 +26,7 @@ from qhoptim.optax._tree import (
     flatten,
     hyperparameter_in,
     inexact_dtype,
-    real_dtype,
+    narrow_working_dtype,
 )
 
 
@@ -155,8 +155,8 @@ def scale_by_qhm(
                 new_updates.append(None)
                 new_buffers.append(buf)
                 continue
-            # A narrow buffer steps in the gradient's dtype, then is stored narrow.
-            dtype = buf.dtype if state_dtype is None else real_dtype(g.dtype)
+            # A narrow buffer steps in narrow_working_dtype, then is stored narrow.
+            dtype = buf.dtype if state_dtype is None else narrow_working_dtype(g.dtype)
             b, direction = rules.qhm_update(
                 g,
                 load(buf, dtype),

@@ -26,6 +26,7 @@ from qhoptim.optax._tree import (
     check_learning_rate,
     flatten,
     inexact_dtype,
+    narrow_working_dtype,
 )
 
 
@@ -159,8 +160,9 @@ def scale_by_qhmuon(
                 new_updates.append(None)
                 new_buffers.append(buf)
                 continue
-            # A narrow buffer steps in the gradient's dtype, then is stored narrow.
-            b = rules.ewma(buf if state_dtype is None else load(buf, g.dtype), g, beta)
+            # A narrow buffer steps in narrow_working_dtype, then is stored narrow.
+            working = buf if state_dtype is None else load(buf, narrow_working_dtype(g.dtype))
+            b = rules.ewma(working, g, beta)
             direction = rules.qhm_bias_corrected_direction(
                 g, b, nu=nu, grad_correction=grad_correction.astype(g.dtype),
                 buffer_correction=buffer_correction.astype(b.dtype),

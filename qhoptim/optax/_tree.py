@@ -61,6 +61,16 @@ def real_dtype(dtype: Any) -> Any:
     return jnp.finfo(dtype).dtype  # type: ignore[no-untyped-call]
 
 
+def narrow_working_dtype(grad_dtype: Any) -> Any:
+    """The dtype a narrow (bfloat16 or 8-bit) state steps in: float32, or the
+    gradient's real dtype where wider. Not the gradient's alone: bfloat16
+    gradients of float32 parameters (after a bfloat16 all-reduce) would step
+    the state in bfloat16, where beta * state rounds back to the state and the
+    averages never decay; torch steps an 8-bit state of 16-bit parameters in
+    float32 too."""
+    return jnp.promote_types(real_dtype(grad_dtype), jnp.float32)
+
+
 def canonical_dtype(dtype: Any) -> Any:
     return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
 

@@ -466,7 +466,8 @@ def step_with_narrow_state(
 ) -> None:
     """Run ``step(positions, params, grads, working_lists)`` piece by piece on
     working copies of ``state_lists`` (each aligned with ``params``) in the
-    parameters' dtype, then write each back: the ``k``-th state of the
+    parameters' dtype (float32, with the parameter and gradient, for an 8-bit
+    state of a 16-bit parameter), then write each back: the ``k``-th state of the
     parameter at ``position`` rounded with ``seeds[position][k]``.
 
     A piece is a tensor, or a slice of a tensor larger than
@@ -485,11 +486,13 @@ def step_with_narrow_state(
     # to ~100 MB of freed working copies of a 5e7-value parameter otherwise).
     scratch: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
-    def working_copy(k: int, stored: Tensor | _Packed, like: Tensor, offset: int) -> Tensor:
-        key = (k, like.dtype, like.device)
+    def working_copy(
+        k: int, stored: Tensor | _Packed, like: Tensor, offset: int, dtype: torch.dtype
+    ) -> Tensor:
+        key = (k, dtype, like.device)
         if key not in scratch:
             size = max(sum(b - a for _, a, b in run) for run in runs)
-            scratch[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+            scratch[key] = torch.empty(size, dtype=dtype, device=like.device)
         work = scratch[key][offset : offset + like.numel()].view(like.shape)
         if isinstance(stored, _Packed):
             dequantize_(work, stored, signed[k])
@@ -509,11 +512,38 @@ def step_with_narrow_state(
         offsets = [0]
         for p in ps:
             offsets.append(offsets[-1] + p.numel())
+        # An 8-bit state of a 16-bit parameter steps in float32 with its
+        # parameter and gradient: in bfloat16, beta2 * v rounds back to v and
+        # the second moment would never decay. (The state is float32 values in
+        # 8 bits, which the fused kernel steps in float32.)
+        widened = [
+            p.dtype.itemsize < 4 and any(lst[i].dtype == torch.uint8 for lst in state_lists)
+            for p, i in zip(ps, positions, strict=True)
+        ]
+        dtypes = [torch.float32 if wide else p.dtype for p, wide in zip(ps, widened, strict=True)]
         work = [
-            [working_copy(k, s, p, o) for s, p, o in zip(lst, ps, offsets, strict=False)]
+            [
+                working_copy(k, s, p, o, d)
+                for s, p, o, d in zip(lst, ps, offsets, dtypes, strict=False)
+            ]
             for k, lst in enumerate(stored)
         ]
-        step(positions, ps, gs, work)
+        if any(widened):
+            # Their scratch keys past the states': -1 the parameters', -2 the gradients'.
+            step_ps = [
+                working_copy(-1, p, p, o, torch.float32) if wide else p
+                for p, o, wide in zip(ps, offsets, widened, strict=False)
+            ]
+            step_gs = [
+                working_copy(-2, g, g, o, torch.float32) if wide else g
+                for g, o, wide in zip(gs, offsets, widened, strict=False)
+            ]
+            step(positions, step_ps, step_gs, work)
+            for p, step_p, wide in zip(ps, step_ps, widened, strict=True):
+                if wide:
+                    p.copy_(step_p)
+        else:
+            step(positions, ps, gs, work)
         for k, (lst, wl) in enumerate(zip(stored, work, strict=True)):
             for (i, a, _), s, w in zip(run, lst, wl, strict=True):
                 if isinstance(s, _Packed):
@@ -545,7 +575,7 @@ def step_narrow_state(
     Triton kernels on CUDA) steps there, in one call,
     the kernel rounding it with ``seeds`` (:func:`state_seeds` of ``steps``,
     the number of the step being taken, and ``positions``, each parameter's in
-    its optimizer); any other steps on working copies in the parameters' dtype
+    its optimizer); any other steps on working copies
     (:func:`step_with_narrow_state`), ``seeds`` None, written back rounded with
     the same seeds. ``signed[k]``: whether state ``k`` takes negative values
     (8-bit state). ``whole_tensors``: ``run`` takes every tensor whole

@@ -438,3 +438,46 @@ def test_narrow_state_on_a_mesh_of_explicit_axes_steps_as_on_one_device() -> Non
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.split("\n")[:-1]
     assert len(lines) == 8 and all(line.endswith(" True") for line in lines), result.stdout
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "grad_dtype", "state_dtype"),
+    [
+        (jnp.float32, BF16, BF16),
+        (jnp.float32, BF16, U8),
+        (BF16, BF16, U8),
+        (jnp.float16, jnp.float16, U8),
+    ],
+)
+@pytest.mark.parametrize("name", ["qhm", "qhadam", "qhmuon"])
+def test_a_narrow_state_of_16_bit_gradients_decays_as_in_float32(
+    name: str, param_dtype: Any, grad_dtype: Any, state_dtype: Any
+) -> None:
+    # In bfloat16, 0.999 * v rounds back to v: a state stepped in the
+    # gradients' dtype (bfloat16 gradients of float32 parameters, after a
+    # bfloat16 all-reduce) would never decay. After a gradient of ones and a
+    # thousand of zeros the rule's averages are the first step's times
+    # beta ** 1000 (stochastic rounding keeps the mean of 4,096 values).
+    beta = 0.999
+    make = {
+        "qhm": lambda: qho.qhm(1e-3, momentum=beta, state_dtype=state_dtype),
+        "qhadam": lambda: qho.qhadam(1e-3, b1=beta, b2=beta, state_dtype=state_dtype),
+        "qhmuon": lambda: qho.qhmuon(1e-3, beta=beta, state_dtype=state_dtype),
+    }[name]
+    tx = make()
+    params = {"w": jnp.zeros((64, 64), param_dtype)}
+    update = jax.jit(tx.update)
+    _, state = update({"w": jnp.ones((64, 64), grad_dtype)}, tx.init(params), params)
+
+    def means(state: Any) -> list[float]:
+        leaves = jax.tree.leaves(qho.decoded_state(state))
+        return [float(jnp.mean(x.astype(jnp.float64))) for x in leaves if x.size == 64 * 64]
+
+    first = means(state)
+    zeros = {"w": jnp.zeros((64, 64), grad_dtype)}
+    for _ in range(1000):
+        _, state = update(zeros, state, params)
+    later = means(state)
+    assert len(first) == (2 if name == "qhadam" else 1)
+    for before, after in zip(first, later, strict=True):
+        assert after / before == pytest.approx(beta**1000, rel=0.01)

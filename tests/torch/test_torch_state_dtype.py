@@ -892,3 +892,28 @@ def test_every_cpu_path_steps_narrow_state_in_the_kernel(
     _run(opt, params, range(4))
     for p, q in zip(fused_params, params, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("cls", [QHM, QHAdam])
+def test_an_8_bit_state_of_16_bit_parameters_decays_as_in_float32(
+    cls: type, fused: bool, param_dtype: torch.dtype
+) -> None:
+    # In bfloat16, 0.999 * v rounds back to v: a state stepped in the
+    # parameters' dtype would never decay. After a gradient of ones and a
+    # thousand of zeros the rule's averages are the first step's times
+    # beta ** 1000 (stochastic rounding keeps the mean of 4,096 values).
+    beta = 0.999
+    kwargs = {"momentum": beta} if cls is QHM else {"betas": (beta, beta)}
+    p = torch.nn.Parameter(torch.zeros(4096, dtype=param_dtype))
+    opt = cls([p], lr=1e-3, state_dtype=torch.uint8, fused=fused, **kwargs)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    first = {k: v.double().mean().item() for k, v in opt.decoded_state(p).items() if k != "step"}
+    for _ in range(1000):
+        p.grad = torch.zeros_like(p)
+        opt.step()
+    later = {k: v.double().mean().item() for k, v in opt.decoded_state(p).items() if k != "step"}
+    for k, value in first.items():
+        assert later[k] / value == pytest.approx(beta**1000, rel=0.01), k
