@@ -548,7 +548,8 @@ class CheckedAttributes:
     built for. ``_CHECKS``: each attribute's check, a function of the value
     and its name (this module's) that returns the value checked (wrapped in
     :func:`optional` where ``None`` is allowed). The constructor's own first
-    assignment is not checked again."""
+    assignment is not checked again, but for being one number
+    (:func:`check_one_number`), which the constructors' range checks pass."""
 
     _CHECKS: ClassVar[Mapping[str, Callable[[Any, str], Any]]] = {}
     #: Attributes the constructor alone sets (``state_dtype``: the state is
@@ -556,6 +557,10 @@ class CheckedAttributes:
     _FIXED: ClassVar[frozenset[str]] = frozenset({"state_dtype", "stochastic_rounding"})
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._CHECKS:
+            # The step folds each hyperparameter in as one number, from the
+            # constructor's first assignment on.
+            check_one_number(value, name)
         if name in self.__dict__:
             if name in self._FIXED and not _same(value, self.__dict__[name]):
                 raise ValueError(

@@ -319,13 +319,13 @@ class _PerVariableStep(
 
     # The step hooks (see the class docstring).
     def _dense(self, gradient: Any) -> Any:
-        """A sparse gradient (JAX's ``BCOO``) as a dense tensor; dense ones as they are.
+        """A sparse gradient as a dense tensor (:func:`dense_gradient`).
 
         QHM and QHAdam decay their buffers at *every* row on every step, so a
         sparse gradient is the dense gradient with zero rows, as for Keras's
         own ``SGD`` and ``Adam`` (which densify it too, mixing it with a buffer).
         """
-        return ops.convert_to_tensor(gradient, sparse=False)
+        return dense_gradient(gradient)
 
     def _read(self, x: Any) -> Any:
         """The value of a variable (or a tensor as is); on JAX it honours ``stateless_apply``."""
@@ -355,6 +355,17 @@ else:
 
     class _BackendStep:  # type: ignore[no-redef]
         """JAX and Keras's other backends: ``update_step`` as written (``jax.jit`` fuses it)."""
+
+
+def dense_gradient(gradient: Any) -> Any:
+    """A sparse gradient (TensorFlow's ``IndexedSlices``, JAX's ``BCOO``) as a
+    dense tensor; a dense one as it is."""
+    if BACKEND == "tensorflow":
+        from qhoptim.keras import _tensorflow
+
+        if isinstance(gradient, _tensorflow.SPARSE_TYPES):
+            return _tensorflow.dense(gradient)
+    return ops.convert_to_tensor(gradient, sparse=False)
 
 
 class QHOptimizer(_BackendStep, _PerVariableStep):  # type: ignore[misc]

@@ -15,6 +15,7 @@ from qhoptim.keras import _narrow
 from qhoptim.keras._base import (
     CheckedLearningRate,
     as_float,
+    dense_gradient,
     documented,
     learning_rate_value,
 )
@@ -221,6 +222,9 @@ class QHMuon(validation.CheckedAttributes, CheckedLearningRate, keras.optimizers
         return super().add_variable(*args, **kwargs)
 
     def _muon_update_step(self, gradient: Any, variable: Any, lr: Any, m: Any) -> None:
+        # A sparse gradient (an embedding's on TensorFlow) is the dense one
+        # with zero rows: the buffer decays at every row, as Keras's Muon has it.
+        gradient = dense_gradient(gradient)
         narrow = m.dtype != variable.dtype
         trace = ops.cast(m, variable.dtype) if narrow else m
         trace, direction = rules.qhm_trace_update(

@@ -49,14 +49,14 @@ def _xla_step(optimizer: Any, step: Any) -> Any:
     return tf.function(run, jit_compile=True, reduce_retracing=True)
 
 
+def dense(gradient: Any) -> Any:
+    """A ``tf.IndexedSlices`` (or ``tf.SparseTensor``) gradient as a dense tensor,
+    which Keras's ``ops.convert_to_tensor`` leaves sparse."""
+    return tf.convert_to_tensor(gradient)
+
+
 class TensorFlowStep:
     """Mixin of ``qhoptim.keras``'s base class on the TensorFlow backend."""
-
-    def _dense(self: Any, gradient: Any) -> Any:
-        """``tf.IndexedSlices`` (and ``tf.SparseTensor``) gradients as dense tensors."""
-        if isinstance(gradient, SPARSE_TYPES):
-            return tf.convert_to_tensor(gradient)
-        return super()._dense(gradient)  # type: ignore[misc]
 
     def _read(self: Any, x: Any) -> Any:
         """A ``keras.Variable``, the ``tf.Variable`` Keras passes to ``update_step`` or a

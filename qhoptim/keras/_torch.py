@@ -62,6 +62,11 @@ class TorchStep:
         ``qhoptim.torch``'s narrow state does (:func:`_narrow_step`).
         """
         generic = super()._backend_update_step  # type: ignore[misc]
+        # A subclass's own update_step is what it asked for: the kernels
+        # step the library's rule, so only the library's update_step runs
+        # them (Keras takes its torch fast path for its exact classes alone).
+        if not type(self).update_step.__module__.startswith("qhoptim.keras"):
+            return generic(grads, trainable_variables, learning_rate)  # type: ignore[no-any-return]
         hparams = self._hyperparameters()
         wd = 0.0 if self.weight_decay is None else validation.concrete_float(self.weight_decay)
         numbers = all(isinstance(x, float) for x in hparams.values())

@@ -101,16 +101,6 @@ def _dtype_name(dtype: Any) -> str | None:
     return str(dtype).rsplit(".", 1)[-1] if isinstance(dtype, mx.Dtype) else None
 
 
-def _one_number(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    """``check``, for a value that must also be one number (:func:`_one_number_each`)."""
-
-    def checked(value: Any, name: str) -> Any:
-        validation.check_one_number(value, name)
-        return check(value, name)
-
-    return checked
-
-
 def _pair(
     first: Callable[[Any, str], Any], second: Callable[[Any, str], Any]
 ) -> Callable[[Any, str], tuple[Any, Any]]:
@@ -118,9 +108,10 @@ def _pair(
 
     def checked(value: Any, name: str) -> tuple[Any, Any]:
         elements = validation.check_pair(value, name)
+        names = (f"{name}[0]", f"{name}[1]")
         return (
-            _one_number(first)(elements[0], f"{name}[0]"),
-            _one_number(second)(elements[1], f"{name}[1]"),
+            first(validation.check_one_number(elements[0], names[0]), names[0]),
+            second(validation.check_one_number(elements[1], names[1]), names[1]),
         )
 
     return checked
@@ -585,9 +576,9 @@ class QHM(_QHOptimizer):
 
     _CHECKS = MappingProxyType(
         {
-            "momentum": _one_number(validation.check_beta),
-            "nu": _one_number(validation.check_nu),
-            "weight_decay": _one_number(validation.check_weight_decay),
+            "momentum": validation.check_beta,
+            "nu": validation.check_nu,
+            "weight_decay": validation.check_weight_decay,
         }
     )
 
@@ -705,8 +696,8 @@ class QHAdam(_QHOptimizer):
         {
             "betas": _pair(validation.check_beta, validation.check_beta),
             "nus": _pair(validation.check_nu, validation.check_nu2),
-            "eps": _one_number(validation.check_eps),
-            "weight_decay": _one_number(validation.check_weight_decay),
+            "eps": validation.check_eps,
+            "weight_decay": validation.check_weight_decay,
         }
     )
 
@@ -922,9 +913,9 @@ class QHMuon(_NarrowState):
 
     _CHECKS = MappingProxyType(
         {
-            "momentum": _one_number(validation.check_beta),
-            "nu": _one_number(validation.check_nu),
-            "weight_decay": _one_number(validation.check_weight_decay),
+            "momentum": validation.check_beta,
+            "nu": validation.check_nu,
+            "weight_decay": validation.check_weight_decay,
             "ns_steps": validation.check_ns_steps,
             "ns_dtype": _check_ns_dtype,
         }

@@ -361,3 +361,32 @@ def test_a_name_registered_before_import_is_kept() -> None:
     qk._register_names(objects)
     assert objects["qhadam"] is Mine
     assert objects["qhm"] is qk.QHM and objects["QHAdamW"] is qk.QHAdamW
+
+
+@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHAdamW])
+def test_a_subclass_s_own_update_step_is_what_steps(cls: type) -> None:
+    # Keras's extension point: on the torch backend the library's kernels
+    # step every variable at once, but only for the library's update_step.
+    class SkipsFrozen(cls):  # type: ignore[misc, valid-type]
+        calls = 0
+
+        def update_step(self, gradient: object, variable: object, learning_rate: object) -> None:
+            type(self).calls += 1
+            if "frozen" not in variable.name:  # type: ignore[attr-defined]
+                super().update_step(gradient, variable, learning_rate)
+
+    kwargs = {"weight_decay": 0.01} if cls is qk.QHAdamW else {}
+    opt = SkipsFrozen(0.1, **kwargs)
+    free = keras.Variable(np.ones(3, "float32"), name="free")
+    frozen = keras.Variable(np.ones(3, "float32"), name="frozen")
+    twin = keras.Variable(np.ones(3, "float32"), name="twin")
+    plain = cls(0.1, **kwargs)
+    for _ in range(2):
+        opt.apply([keras.ops.ones(3), keras.ops.ones(3)], [free, frozen])
+        plain.apply([keras.ops.ones(3)], [twin])
+    assert SkipsFrozen.calls == 4
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(frozen), np.ones(3, "float32"))
+    # The per-variable operations and torch's kernels: the same to float32 rounding.
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(free), keras.ops.convert_to_numpy(twin), rtol=4e-7
+    )

@@ -233,3 +233,31 @@ def test_a_learning_rate_set_later_is_checked_as_the_constructor_checks_it(cls: 
     callback.model.compile(optimizer=opt, loss="mse")
     with pytest.raises(ValueError, match=r"received learning_rate=-0.125"):
         callback.on_epoch_begin(0)
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda a: qk.QHM(0.1, momentum=a), "momentum"),
+        (lambda a: qk.QHM(0.1, nu=a), "nu"),
+        (lambda a: qk.QHAdam(0.1, beta_1=a), "beta_1"),
+        (lambda a: qk.QHAdamW(0.1, nu_2=a), "nu_2"),
+        (lambda a: qk.QHAdam(0.1, epsilon=a), "epsilon"),
+        (lambda a: qk.QHM(0.1, weight_decay=a), "weight_decay"),
+        (lambda a: qk.QHMuon(0.1, nu=a), "nu"),
+        (lambda a: qk.QHMuon(0.1, adam_beta_2=a), "adam_beta_2"),
+    ],
+)
+def test_a_hyperparameter_array_of_several_elements_is_refused(make, name: str) -> None:
+    # Keras folds each hyperparameter into the step as one number: an array
+    # stepped each coordinate by its own on JAX, failed at the step on torch
+    # and TensorFlow, and made a config JSON cannot hold.
+    with pytest.raises(
+        ValueError, match=rf"^{name} must be one number; received an array of shape \(4,\)"
+    ):
+        make(np.array([0.1, 0.3, 0.5, 0.7]))
+    opt = make(np.array([0.5]))  # a one-element array is that number
+    assert getattr(opt, name) == 0.5
+    with pytest.raises(ValueError, match=rf"^{name} must be one number"):
+        setattr(opt, name, np.array([0.5, 0.6]))
+    assert getattr(opt, name) == 0.5

@@ -61,9 +61,9 @@ def _dense_gradient(t: int) -> np.ndarray:
     return dense
 
 
-def _gradient(t: int) -> Any:
+def _gradient(t: int, dtype: str = EXACT_DTYPE) -> Any:
     """Step ``t``'s gradient as the backend's sparse tensor (dense on torch)."""
-    values = ops.convert_to_tensor(_row_values(t), dtype=EXACT_DTYPE)
+    values = ops.convert_to_tensor(_row_values(t), dtype=dtype)
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
@@ -72,7 +72,7 @@ def _gradient(t: int) -> Any:
         import jax.experimental.sparse as jax_sparse
 
         return jax_sparse.BCOO((values, ROWS[:, None]), shape=SHAPE)
-    return ops.convert_to_tensor(_dense_gradient(t), dtype=EXACT_DTYPE)
+    return ops.convert_to_tensor(_dense_gradient(t), dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -174,3 +174,27 @@ def test_sparse_gradients_write_through_the_optimizer_and_match_the_reference(
     want = reference_steps(ref, [table0], lambda params, t: [_dense_gradient(t)], STEPS)[0]
     np.testing.assert_allclose(got, want, rtol=EXACT_RTOL)
     assert not np.allclose(got, table0)
+
+
+def test_qhmuon_steps_a_sparse_gradient_as_its_dense_gradient() -> None:
+    # An embedding's gradient on TensorFlow is tf.IndexedSlices; Muon steps it
+    # as the dense gradient with zero rows (QHMuon's dense steps are checked
+    # against the reference in test_keras_qhmuon.py). float32, as Muon runs.
+    table0 = np.linspace(-1.0, 1.0, SHAPE[0] * SHAPE[1]).reshape(SHAPE)
+
+    def run(sparse: bool) -> np.ndarray:
+        variable = keras.Variable(table0, dtype="float32", name="table")
+        optimizer = qk.QHMuon(0.0625, momentum=0.9, nu=0.7)
+        optimizer.build([variable])
+        for t in range(STEPS):
+            gradient = _gradient(t, "float32") if sparse else _dense_gradient(t)
+            optimizer.apply(
+                [ops.convert_to_tensor(gradient, "float32") if not sparse else gradient], [variable]
+            )
+        return np.asarray(ops.convert_to_numpy(variable.value), np.float64)
+
+    sparse, dense = run(True), run(False)
+    # The rows' sums (row 2 twice) in float32 one way, float64 then rounded the
+    # other: float32 rounding, through the orthogonalization, of values about 1.
+    np.testing.assert_allclose(sparse, dense, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(sparse, table0)
