@@ -95,6 +95,13 @@ def checked_state_dtype(state_dtype: Any, stochastic_rounding: Any, **others: An
     if state_dtype is None:
         rounding.check_stochastic_rounding(stochastic_rounding, None, allowed=allowed)
         return None
+    if isinstance(state_dtype, jax.Array):
+        # jnp.bfloat16 is callable: optax.inject_hyperparams calls it as a schedule.
+        raise TypeError(
+            "state_dtype must be a dtype, not an array; under optax.inject_hyperparams "
+            "give static_args=('state_dtype',) (it calls a dtype as a schedule); "
+            f"received state_dtype={state_dtype!r}"
+        )
     try:
         name: str | None = jnp.dtype(state_dtype).name
     except TypeError:
@@ -369,6 +376,29 @@ def decoded_state(state: Any) -> Any:
     """
 
     def read(x: Any) -> Any:
-        return _decode(x) if isinstance(x, EightBitArray) else x
+        return _decoded_batch(x) if isinstance(x, EightBitArray) else x
 
     return jax.tree.map(read, state, is_leaf=lambda x: isinstance(x, EightBitArray))
+
+
+def _decoded_batch(stored: EightBitArray) -> jax.Array:
+    """:func:`_decode` of ``stored``, or of each of a batch of 8-bit states (from
+    ``jax.vmap`` of ``init`` or ``update``: scales of more than one axis, the
+    leading ones the batch's), each with its own scales."""
+    codes, scales = stored.codes, stored.scales
+    if scales.ndim > 1:
+        if codes.shape[:1] != scales.shape[:1]:
+            raise ValueError(
+                f"a batch of 8-bit states holds codes and scales of the same batch; "
+                f"received codes of shape {codes.shape}, scales of shape {scales.shape}"
+            )
+        return jax.vmap(lambda c, s: _decoded_batch(EightBitArray(c, s, stored.signed)))(
+            codes, scales
+        )
+    blocks = -(-codes.size // rounding.EIGHT_BIT_BLOCK)
+    if scales.shape != (blocks,):
+        raise ValueError(
+            f"an 8-bit state of shape {codes.shape} has a scale per block of "
+            f"{rounding.EIGHT_BIT_BLOCK} values, {blocks}; received scales of shape {scales.shape}"
+        )
+    return _decode(stored)

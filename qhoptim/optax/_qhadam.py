@@ -31,6 +31,7 @@ from qhoptim.optax._tree import (
     inexact_dtype,
     narrow_working_dtype,
     real_dtype,
+    real_hyperparameters,
 )
 
 
@@ -62,6 +63,7 @@ class ScaleByQHAdamAmsgradState(NamedTuple):
     nu_max: optax.Updates
 
 
+@real_hyperparameters
 def scale_by_qhadam(
     b1: float | jax.Array = 0.9,
     b2: float | jax.Array = 0.999,
@@ -259,7 +261,9 @@ def scale_by_qhadam(
                     for x, like, seed in zip(nexts, stored[: len(nexts)], seeds, strict=True)
                 ]
 
-            if target is None or g.dtype != jnp.float32:
+            # The C++ step takes a float32 gradient of its state's shape (one that
+            # broadcasts against its parameter takes XLA's, as optax.adam takes it).
+            if target is None or g.dtype != jnp.float32 or g.shape != stored[0].shape:
                 stepped: list[Any] = in_xla()
             else:
                 slots.append(len(new_exp_avgs))
@@ -293,6 +297,7 @@ def scale_by_qhadam(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@real_hyperparameters
 def qhadam(
     learning_rate: ScalarOrSchedule,
     b1: float | jax.Array = 0.9,
@@ -373,6 +378,7 @@ def qhadam(
     )
 
 
+@real_hyperparameters
 def qhadamw(
     learning_rate: ScalarOrSchedule,
     b1: float | jax.Array = 0.9,

@@ -27,6 +27,7 @@ from qhoptim.optax._tree import (
     hyperparameter_in,
     inexact_dtype,
     narrow_working_dtype,
+    real_hyperparameters,
 )
 
 
@@ -44,6 +45,7 @@ class ScaleByQHMCountState(NamedTuple):
     momentum_buffer: optax.Updates
 
 
+@real_hyperparameters
 def scale_by_qhm(
     momentum: float | jax.Array = 0.999,
     nu: float | jax.Array = 0.7,
@@ -168,7 +170,8 @@ def scale_by_qhm(
                 new_buffers.append(b.astype(dtype))
             else:
                 seed = rounding_seed(count, rounding.state_index(position))
-                if target is None or g.dtype != jnp.float32:
+                # The C++ step takes a float32 gradient of its state's shape.
+                if target is None or g.dtype != jnp.float32 or g.shape != buf.shape:
                     new_buffers.append(store(b, buf, seed, stochastic))
                     continue
                 slots.append(len(new_buffers))
@@ -194,6 +197,7 @@ def scale_by_qhm(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@real_hyperparameters
 def qhm(
     learning_rate: ScalarOrSchedule,
     momentum: float | jax.Array = 0.999,

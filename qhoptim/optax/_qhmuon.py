@@ -27,6 +27,7 @@ from qhoptim.optax._tree import (
     flatten,
     inexact_dtype,
     narrow_working_dtype,
+    real_hyperparameters,
 )
 
 
@@ -75,6 +76,7 @@ def _check_muon_matrices(params: optax.Params) -> None:
             )
 
 
+@real_hyperparameters
 def scale_by_qhmuon(
     ns_coeffs: tuple[float, float, float] = rules.MUON_NS_COEFFICIENTS,
     ns_steps: int = rules.MUON_NS_STEPS,
@@ -207,6 +209,7 @@ def _scale_by_muon_shape(consistent_rms: float | None) -> optax.GradientTransfor
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+@real_hyperparameters
 def qhmuon(
     learning_rate: ScalarOrSchedule,
     ns_coeffs: tuple[float, float, float] = rules.MUON_NS_COEFFICIENTS,

@@ -17,15 +17,14 @@ from qhoptim.optax._narrow import levels
 
 
 def check_fused(fused: Any, state_dtype: Any, stochastic: bool) -> None:
-    if fused is not None:
-        validation.check_bool(fused, "fused")
+    validation.check_optional_bool(fused, "fused")
     if fused and _fused_target_of(state_dtype, stochastic) is None:
         raise ValueError(
             "fused=True stores a bfloat16 state rounded stochastically, or an 8-bit "
             "state, in C++ (state_dtype=jnp.bfloat16 with stochastic_rounding None or "
             "True, or state_dtype=jnp.uint8); received "
-            f"state_dtype={None if state_dtype is None else jnp.dtype(state_dtype).name!r}, "
-            f"stochastic_rounding={stochastic}"
+            f"state_dtype={None if state_dtype is None else jnp.dtype(state_dtype).name!r}"
+            f"{'' if state_dtype is None else f', rounded stochastically: {stochastic}'}"
         )
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qhoptim import rules, validation
 
 ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
+Factory = TypeVar("Factory", bound=Callable[..., Any])
 
 
 def is_none(x: Any) -> bool:
@@ -110,6 +112,52 @@ def bias_correction(beta: float | jax.Array, count: jax.Array) -> jax.Array:
     if beta_value is None:
         return jnp.asarray(rules.bias_correction(beta, count, expm1=jnp.expm1, log=jnp.log))
     return jnp.asarray(rules.bias_correction(beta_value, count, expm1=jnp.expm1))
+
+
+def real_hyperparameters(factory: Factory) -> Factory:
+    """``factory`` taking a complex array hyperparameter as its real part.
+
+    ``optax.inject_hyperparams`` casts the hyperparameters to the parameters'
+    dtype, complex64 for complex parameters (``optax.adam`` takes them so): a
+    traced one's real part is taken, as is a concrete one's whose imaginary
+    part is 0; any other is passed on, for the checks to refuse. It casts
+    them to bfloat16 for bfloat16 parameters, where ``b2 = 0.999`` is 1.0: the
+    check's error then says so.
+    """
+
+    def real(x: Any) -> Any:
+        if not (isinstance(x, jax.Array) and jnp.iscomplexobj(x)):
+            return x
+        try:
+            imaginary = np.asarray(jnp.imag(x))
+        except jax.errors.TracerArrayConversionError:
+            return jnp.real(x)
+        return x if imaginary.any() else jnp.real(x)
+
+    def narrow(x: Any) -> bool:
+        return isinstance(x, jax.Array) and x.dtype in (jnp.bfloat16, jnp.float16)
+
+    @functools.wraps(factory)
+    def made(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return factory(*map(real, args), **{k: real(v) for k, v in kwargs.items()})
+        except ValueError as error:
+            said = "inject_hyperparams" in str(error)  # by a factory this one calls
+            if not said and any(map(narrow, (*args, *kwargs.values()))):
+                # b2 = 0.999 is 1.0 in bfloat16: the user gave none of it.
+                raise ValueError(
+                    f"{error} (a hyperparameter in {_narrow_names(args, kwargs)}: "
+                    "optax.inject_hyperparams casts them to the parameters' dtype; "
+                    "give it hyperparam_dtype=jnp.float32)"
+                ) from error
+            raise
+
+    return cast(Factory, made)
+
+
+def _narrow_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    dtypes = {str(x.dtype) for x in (*args, *kwargs.values()) if isinstance(x, jax.Array)}
+    return " or ".join(sorted(d for d in dtypes if d in ("bfloat16", "float16")))
 
 
 def check_learning_rate(learning_rate: ScalarOrSchedule) -> ScalarOrSchedule:

@@ -588,3 +588,46 @@ def test_leaves_in_another_order_are_refused_not_swapped() -> None:
         tx.update([jnp.ones(2), jnp.ones(2)], state)
     with pytest.raises(ValueError, match="pytree structure"):
         tx.update((jnp.ones(2), jnp.ones(2)), state)
+
+
+@pytest.mark.parametrize("name", ["qhm", "qhadam", "qhadamw"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_inject_hyperparams_takes_complex_parameters(name: str, jit: bool) -> None:
+    # optax casts the injected hyperparameters to the parameters' dtype,
+    # complex64 here: their real part is the hyperparameter (optax.adam's way).
+    make = {"qhm": qho.qhm, "qhadam": qho.qhadam, "qhadamw": qho.qhadamw}[name]
+    params = jnp.asarray([1 + 1j, 2 - 1j], jnp.complex64)
+    grads = jnp.asarray([0.5 - 0.2j, -0.3 + 0.1j], jnp.complex64)
+    injected = optax.inject_hyperparams(make)(learning_rate=0.01)
+    plain = make(0.01)
+    update = jax.jit(injected.update) if jit else injected.update
+    state, plain_state = injected.init(params), plain.init(params)
+    for _ in range(3):
+        got, state = update(grads, state, params)
+        want, plain_state = plain.update(grads, plain_state, params)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    with pytest.raises(TypeError, match=r"learning_rate must be a real number"):
+        make(jnp.asarray(0.01 + 0.5j, jnp.complex64))
+
+
+def test_inject_hyperparams_on_bfloat16_parameters_says_what_made_b2_one() -> None:
+    # optax casts the injected hyperparameters to bfloat16, where the default
+    # b2 = 0.999 is 1.0: the range check's error says why, and the fix.
+    params = jnp.ones(4, jnp.bfloat16)
+    with pytest.raises(
+        ValueError,
+        match=r"^b2 must be in \[0, 1\); received b2=1.0 \(a hyperparameter in bfloat16: "
+        r"optax.inject_hyperparams casts them to the parameters' dtype; "
+        r"give it hyperparam_dtype=jnp.float32\)$",
+    ):
+        optax.inject_hyperparams(qho.qhadam)(learning_rate=1e-3).init(params)
+    fixed = optax.inject_hyperparams(qho.qhadam, hyperparam_dtype=jnp.float32)(learning_rate=1e-3)
+    fixed.update(params, fixed.init(params), params)
+
+
+def test_inject_hyperparams_with_state_dtype_outside_static_args_says_what_to_do() -> None:
+    # jnp.bfloat16 is callable: optax calls it as a schedule of the step count.
+    with pytest.raises(TypeError, match=r"give static_args=\('state_dtype',\)"):
+        optax.inject_hyperparams(qho.qhadam)(learning_rate=1e-3, state_dtype=jnp.bfloat16).init(
+            jnp.ones(4)
+        )

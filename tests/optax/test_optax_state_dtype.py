@@ -481,3 +481,29 @@ def test_a_narrow_state_of_16_bit_gradients_decays_as_in_float32(
     assert len(first) == (2 if name == "qhadam" else 1)
     for before, after in zip(first, later, strict=True):
         assert after / before == pytest.approx(beta**1000, rel=0.01)
+
+
+@pytest.mark.parametrize("n", [4, 256, 700])
+def test_decoded_state_reads_a_batch_of_8_bit_states_each_with_its_own_scales(n: int) -> None:
+    # jax.vmap of init and update (an ensemble) batches the codes and the
+    # scales: each member is decoded with its own scales, as it alone would be.
+    tx = qho.qhadam(1e-2, nu1=0.7, state_dtype=U8)
+    params = jnp.zeros((3, n))
+    grads = jnp.asarray([0.1, 1.0, 10.0])[:, None] * jnp.linspace(0.5, 1.0, n)
+    state = jax.vmap(tx.init)(params)
+    _, state = jax.vmap(tx.update)(grads, state, params)
+    batched = qho.decoded_state(state)
+    for member in range(3):
+        alone = qho.decoded_state(jax.tree.map(lambda x, m=member: x[m], state))
+        for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(alone), strict=True):
+            np.testing.assert_array_equal(np.asarray(got[member]), np.asarray(want))
+    mu = batched[0].mu
+    assert float(mu[2, -1]) / float(mu[0, -1]) == pytest.approx(100.0, rel=0.05)
+    stored = state[0].mu
+    wrong = qho.EightBitArray(stored.codes[:2], stored.scales, stored.signed)
+    with pytest.raises(ValueError, match="the same batch"):
+        qho.decoded_state(wrong)
+    flat = qho.EightBitArray(stored.codes[0], stored.scales[0, :1], stored.signed)
+    if n > 256:
+        with pytest.raises(ValueError, match="a scale per block of 256 values"):
+            qho.decoded_state(flat)
