@@ -69,7 +69,8 @@ At :math:`\nu = 1` this is the EWMA's :math:`(1 - \beta)^2 / (1 - \beta^2)`
   undiscounted term multiplies :math:`x_t`, not :math:`x_0`.
 - The claim "rho decreases with both increasing beta and increasing nu" holds
   for :math:`\nu \in (0, 1]` and :math:`\beta \in (0, 1)`; for
-  :math:`\beta < 0` (allowed in appendix A) rho *increases* with nu.
+  :math:`\beta < 0` (allowed in appendix A) rho *increases* with nu for
+  :math:`\nu > (1 + \beta) / (2 \beta)` (a negative bound: every nu >= 0).
 """
 
 from __future__ import annotations
@@ -400,7 +401,8 @@ def qhwma_variance_factor(nu: float, beta: float, t: int | None = None) -> float
     For :math:`\nu \in (0, 1]` rho decreases with increasing beta on
     ``(-1, 1)``; for :math:`\beta \in (0, 1)` it decreases with increasing
     nu on ``[0, (1 + beta) / (2 beta))`` (which contains ``[0, 1]``); for
-    :math:`\beta < 0` it increases with nu. For :math:`\nu \in [0, 1]`,
+    :math:`\beta < 0` it increases with nu on ``((1 + beta) / (2 beta), inf)``
+    (which contains ``[0, inf)``). For :math:`\nu \in [0, 1]`,
     :math:`\rho \ge (1 - \nu)^2`, the infimum approached as beta -> 1.
 
     Args:

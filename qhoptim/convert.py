@@ -699,10 +699,13 @@ def from_two_state_optimizer(
         a_{t+1} = h a_t + k \theta_t + l \nabla_t, \quad
         \theta_{t+1} = m a_t + q \theta_t + z \nabla_t
 
-    QHM recovers a TSO iff :math:`M = [[h, k], [m, q]]` has eigenvalue 1, i.e.
+    QHM recovers a TSO if :math:`M = [[h, k], [m, q]]` has eigenvalue 1, i.e.
     :math:`(1-h)(1-q) = km`, and its other eigenvalue :math:`h + q - 1` is a
-    valid momentum. Then (derived from the spectral decomposition of
-    :math:`M`; verified numerically):
+    valid momentum (not only then: with :math:`m = 0, q = 1` the buffer never
+    reaches theta and the TSO is SGD whatever ``h``, which this refuses for
+    ``h + q - 1`` outside ``[0, 1)``; :func:`from_sgd` gives it). Then
+    (derived from the spectral decomposition of :math:`M`; verified
+    numerically):
 
     .. math::
 

@@ -557,10 +557,6 @@ class CheckedAttributes:
     _FIXED: ClassVar[frozenset[str]] = frozenset({"state_dtype", "stochastic_rounding"})
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._CHECKS:
-            # The step folds each hyperparameter in as one number, from the
-            # constructor's first assignment on.
-            check_one_number(value, name)
         if name in self.__dict__:
             if name in self._FIXED and not _same(value, self.__dict__[name]):
                 raise ValueError(
@@ -570,4 +566,8 @@ class CheckedAttributes:
             check = self._CHECKS.get(name)
             if check is not None:
                 value = _kept(check(value, name))
+        if name in self._CHECKS:
+            # The step folds each hyperparameter in as one number, from the
+            # constructor's first assignment on (a pair's check takes its elements).
+            check_one_number(value, name)
         super().__setattr__(name, value)

@@ -361,8 +361,8 @@ class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
         self._positions: dict[tuple[int, ...], mx.array] = {}
         # MLX steps the parameters one by one, writing each one's state as it
         # goes: a step that fails part-way (a gradient of the wrong shape) puts
-        # the state back as it was, in the same dictionaries (which an
-        # ``mx.compile``-d step may hold).
+        # the state back as it was, in the same dictionaries (which a caller
+        # may hold). Under mx.compile what it puts back are the trace's arrays.
         before, initialized = _containers_of(self.state), self._initialized
         try:
             return super().apply_gradients(gradients, parameters)
@@ -474,8 +474,11 @@ class _QHOptimizer(_NarrowState):
         """How the C++ step (:mod:`qhoptim.mlx._extension`) stores this
         parameter's state, or None where MLX's operations step it: a float32
         parameter with float32 or bfloat16 state, under ``fused=True``; under
-        ``fused=None`` a bfloat16 state on MLX's CPU, where the step is built."""
+        ``fused=None`` a bfloat16 state on MLX's CPU, where the step is built; a
+        gradient of the parameter's shape."""
         if self.fused is False or parameter.dtype != mx.float32 or gradient.dtype != mx.float32:
+            return None
+        if gradient.shape != parameter.shape:  # one that broadcasts: MLX's operations take it
             return None
         dtypes = {x.dtype for x in stored}
         if dtypes == {mx.bfloat16}:
@@ -579,6 +582,8 @@ class QHM(_QHOptimizer):
             "momentum": validation.check_beta,
             "nu": validation.check_nu,
             "weight_decay": validation.check_weight_decay,
+            "decoupled_weight_decay": validation.check_bool,
+            "fused": validation.optional(validation.check_bool),
         }
     )
 
@@ -698,6 +703,9 @@ class QHAdam(_QHOptimizer):
             "nus": _pair(validation.check_nu, validation.check_nu2),
             "eps": validation.check_eps,
             "weight_decay": validation.check_weight_decay,
+            "decoupled_weight_decay": validation.check_bool,
+            "amsgrad": validation.check_bool,
+            "fused": validation.optional(validation.check_bool),
         }
     )
 

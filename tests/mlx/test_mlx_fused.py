@@ -239,3 +239,24 @@ def test_a_shapeless_compiled_step_takes_the_kernel() -> None:
         plain = eager.apply_gradients(_grads(t), plain)
     for key in SHAPES:
         np.testing.assert_array_equal(np.array(compiled[key]), np.array(plain[key]))
+
+
+@pytest.mark.parametrize("state_dtype", [None, mx.bfloat16])
+@pytest.mark.parametrize("cls", [qhmlx.QHM, qhmlx.QHAdam])
+def test_a_gradient_that_broadcasts_against_its_parameter_steps_as_mlx_s_operations(
+    cls: type, state_dtype: Any
+) -> None:
+    # A (3,) gradient of a (4, 3) parameter, as MLX's SGD takes it: the C++
+    # step takes a gradient of its parameter's shape, so this one takes MLX's
+    # operations (it was refused).
+    def run(fused: bool) -> tuple[mx.array, list[mx.array]]:
+        opt = cls(learning_rate=0.1, state_dtype=state_dtype, fused=fused)
+        params = {"w": mx.ones((4, 3))}
+        for t in range(3):
+            params = opt.apply_gradients({"w": mx.array([1.0, 0.5, -0.25]) * (t + 1)}, params)
+        return params["w"], [v for k, v in opt.state["w"].items()]
+
+    (fused_w, fused_state), (plain_w, plain_state) = run(True), run(False)
+    assert mx.array_equal(fused_w, plain_w).item()
+    for a, b in zip(fused_state, plain_state, strict=True):
+        assert mx.array_equal(a, b).item()

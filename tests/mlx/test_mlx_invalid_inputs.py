@@ -190,3 +190,23 @@ def test_a_learning_rate_restored_with_a_state_is_checked(cls: type) -> None:
     scheduled.state = dict(scheduled.state) | {"learning_rate": mx.array(-0.5)}
     scheduled.apply_gradients({"w": mx.ones((4, 4))}, {"w": mx.ones((4, 4))})
     assert scheduled.learning_rate.item() == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "value", "message"),
+    [
+        (QHAdam, "betas", np.array([0.9, 0.999]), r"betas must be a pair of two numbers"),
+        (QHAdam, "nus", mx.array([0.7, 1.0]), r"nus must be a pair of two numbers"),
+        (QHM, "decoupled_weight_decay", "False", r"decoupled_weight_decay must be a bool"),
+        (QHAdam, "amsgrad", "no", r"amsgrad must be a bool"),
+        (QHAdam, "fused", "yes", r"fused must be a bool"),
+    ],
+)
+def test_a_pair_or_a_switch_set_later_is_refused_in_the_constructor_s_words(
+    cls: type, name: str, value: object, message: str
+) -> None:
+    # A truthy string switched decoupled decay or AMSGrad on; an array where a
+    # pair belongs was said not to be one number.
+    opt = cls(0.1)
+    error = ValueError if name in ("betas", "nus") else TypeError
+    assert_refused_when_set(opt, name, value, message, error)
