@@ -251,18 +251,19 @@ def _check_real(parameter: mx.array) -> None:
 
 def _containers_of(tree: Any) -> list[tuple[Any, Any]]:
     """Each dictionary and list of a state's tree with a copy of its items,
-    for :func:`_restore` (the arrays themselves are immutable)."""
+    for :func:`_restore` (the arrays themselves are immutable). Arrays are
+    passed over where their container is read: a step's Python time."""
     found: list[tuple[Any, Any]] = []
     pending = [tree]
     while pending:
         node = pending.pop()
         if isinstance(node, dict):
-            found.append((node, dict(node)))
-            pending.extend(node.values())
+            found.append((node, node.copy()))
+            pending += [x for x in node.values() if type(x) is not mx.array]
         elif isinstance(node, (list, tuple)):
             if isinstance(node, list):
-                found.append((node, list(node)))
-            pending.extend(node)
+                found.append((node, node.copy()))
+            pending += [x for x in node if type(x) is not mx.array]
     return found
 
 
