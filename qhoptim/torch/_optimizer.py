@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypedDict, TypeVar, cast
@@ -61,8 +62,8 @@ state_dtype_doc = r"""state_dtype (torch.dtype, optional): store the state in th
             dtype, e.g. ``torch.bfloat16`` for half a float32 model's state
             memory, or ``torch.uint8`` for 8-bit blockwise state (a byte per
             value and a float32 scale per 256 values); the arithmetic stays in
-            the parameters' dtype (default: None, the parameters' own; see
-            docs/torch.md)
+            the parameters' dtype, float32 for an 8-bit state of 16-bit ones
+            (default: None, the parameters' own; see docs/torch.md)
         stochastic_rounding (bool, optional): write a bfloat16 or 8-bit state
             back with unbiased, counter-based stochastic rounding (default:
             None, i.e. True for bfloat16 and 8-bit; False rounds to nearest)"""
@@ -74,13 +75,30 @@ def use_grad_for_differentiable(step: _F) -> _F:
     As torch's ``_use_grad_for_differentiable``: under ``torch.compile`` the step
     is also split off from the code around it (a graph break before and after),
     so that it is traced as the inference graph it is and updates its tensors in
-    place rather than allocating new ones (pytorch/pytorch#104053).
+    place rather than allocating new ones (pytorch/pytorch#104053). A step that
+    reads its counts on the host (:func:`reads_counts_on_the_host`) runs outside
+    any graph, wherever it is called from: ``torch.compile`` may run this
+    wrapper itself eagerly (once a graph break in it could not be resumed, for
+    any optimizer of the class) and still compile the frames it calls, so the
+    step is called through ``torch.compiler.disable`` whenever Dynamo is loaded.
     """
+
+    def with_grad_mode(self: Any, *args: Any, **kwargs: Any) -> Any:
+        prev_grad = torch.is_grad_enabled()
+        try:
+            torch.set_grad_enabled(self.defaults["differentiable"])
+            return step(self, *args, **kwargs)
+        finally:
+            torch.set_grad_enabled(prev_grad)
+
+    outside_graphs: list[Callable[..., Any]] = []  # made on first need (imports Dynamo)
 
     @functools.wraps(step)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and reads_counts_on_the_host(self):
-            return torch.compiler.disable(step)(self, *args, **kwargs)  # type: ignore[no-untyped-call]
+        if "torch._dynamo" in sys.modules and reads_counts_on_the_host(self):
+            if not outside_graphs:
+                outside_graphs.append(torch.compiler.disable(with_grad_mode))  # type: ignore[no-untyped-call]
+            return outside_graphs[0](self, *args, **kwargs)
         prev_grad = torch.is_grad_enabled()
         try:
             torch.set_grad_enabled(self.defaults["differentiable"])
