@@ -114,6 +114,13 @@ def at_precision(step: Tensor, param: Tensor) -> Tensor:
     return step.to(torch.promote_types(step.dtype, param.real.dtype))
 
 
+def lr_at_precision(lr: Any, param: Tensor) -> Any:
+    """A tensor ``lr`` (``capturable``: kept on the device) at ``param``'s
+    precision or above, as the coefficients folded from it: a float32 ``lr``
+    times a Python number stays float32, 1e-9 off for float64 parameters."""
+    return at_precision(lr, param) if isinstance(lr, Tensor) else lr
+
+
 def bias_corrections(beta1: float, beta2: float, step: Any) -> tuple[Any, Any]:
     """Both moments' bias corrections for ``step`` (a number, or a tensor of step counts).
 
@@ -273,7 +280,8 @@ def decay_grads(
         grads = cast(list[Tensor], torch._foreach_neg(grads))
     if hp.weight_decay != 0:
         if hp.decoupled_weight_decay:
-            factor = rules.decoupled_decay_factor(hp.lr, hp.weight_decay)
+            lr = lr_at_precision(hp.lr, params[0])
+            factor = rules.decoupled_decay_factor(lr, hp.weight_decay)
             torch._foreach_mul_(params, _opmath(factor, params[0]))
         elif hp.maximize:  # reuse the negated copy
             _add_scaled_(grads, params, hp.weight_decay)
@@ -303,7 +311,8 @@ def qhm_(
     a zero weight skips its pass). ``hp.lr`` may be a tensor.
     """
     c = rules.qhm_coefficients(hp.momentum, hp.nu)
-    buffer_value, grad_value = rules.fold_qhm(c, hp.lr)
+    lr = lr_at_precision(hp.lr, params[0]) if params else hp.lr
+    buffer_value, grad_value = rules.fold_qhm(c, lr)
     for chunk in _chunks(params, per_tensor):
         ps, gs, bufs = params[chunk], grads[chunk], momentum_buffers[chunk]
         if ps[0].dtype.is_complex:
@@ -339,7 +348,12 @@ def _device_folded(
     bc1, bc2 = bias_corrections(hp.beta1, hp.beta2, t)
     c = rules.qhadam_coefficients(hp.nu1, hp.nu2, bc1, bc2)
     return rules.fold_qhadam(
-        c, hp.lr, hp.eps, rules.qhadam_denominator(hp.nu2), factor_out=False, sqrt=_sqrt
+        c,
+        lr_at_precision(hp.lr, param),
+        hp.eps,
+        rules.qhadam_denominator(hp.nu2),
+        factor_out=False,
+        sqrt=_sqrt,
     )
 
 
@@ -371,7 +385,7 @@ def device_coefficients(
     f = _device_folded(steps, param, hp)
     decay: Any = 1.0
     if hp.weight_decay != 0 and hp.decoupled_weight_decay:
-        decay = rules.decoupled_decay_factor(hp.lr, hp.weight_decay)
+        decay = rules.decoupled_decay_factor(lr_at_precision(hp.lr, param), hp.weight_decay)
     like = cast(Tensor, f.exp_avg_value)  # a tensor of one value per step
     columns = [torch.zeros_like(like) + x for x in (*f[1:], decay, *constants)]
     return torch.stack(columns, dim=1)
@@ -514,16 +528,17 @@ def _formula_step(
     theta = param.clone() if differentiable else param  # autograd may save it; param is overwritten
     if hp.maximize:
         grad = torch.neg(grad)
+    lr = lr_at_precision(hp.lr, param)
     decay: Any = 1
     if hp.weight_decay != 0:
         grad, decay = rules.weight_decay_terms(
             grad,
             theta,
-            lr=hp.lr,
+            lr=lr,
             weight_decay=hp.weight_decay,
             decoupled=hp.decoupled_weight_decay,
         )
-    param.copy_(rules.apply_update(theta, update(grad), hp.lr, decay))
+    param.copy_(rules.apply_update(theta, update(grad), lr, decay))
 
 
 def formula_qhm_(

@@ -220,23 +220,28 @@ def test_capturable_path_matches_the_reference(cls: type) -> None:
 
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
 @pytest.mark.parametrize("foreach", [False, True], ids=["loop", "foreach"])
-@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
+@pytest.mark.parametrize(
+    "lr_dtype", [None, F64, torch.float32], ids=["float-lr", "tensor-lr", "float32-tensor-lr"]
+)
 def test_capturable_steps_match_the_reference(
-    cls: type, kwargs: dict[str, Any], foreach: bool, tensor_lr: bool
+    cls: type, kwargs: dict[str, Any], foreach: bool, lr_dtype: torch.dtype | None
 ) -> None:
     # capturable=True reads nothing back to the host: with foreach the
     # coefficients are tensors on the device, one per parameter (params that
     # skip a step have their own step count), and a tensor lr stays a tensor.
+    # A float32 one (torch's default dtype) folds at the parameters' float64:
+    # folded in float32, the steps were 1e-9 off.
     shapes = [(4, 3), (5,), (2, 2)]
     gen = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=F64)) for s in shapes]
     params0 = [p.detach().clone() for p in params]
     grads: list[list[torch.Tensor | None]] = list(random_grads(shapes, 6))
     grads[2] = [grads[2][0], None, grads[2][2]]  # param 1 skips step 2
-    lr = torch.tensor(kwargs["lr"], dtype=F64) if tensor_lr else kwargs["lr"]
+    lr = kwargs["lr"] if lr_dtype is None else torch.tensor(kwargs["lr"], dtype=lr_dtype)
     opt = cls(params, **{**kwargs, "lr": lr}, foreach=foreach, capturable=True)
     got = run_torch(opt, params, grads)
-    want = reference_trajectory(cls, kwargs, params0, grads, maximize=kwargs.get("maximize", False))
+    taken = {**kwargs, "lr": float(lr)}  # a float32 lr's value, exactly
+    want = reference_trajectory(cls, taken, params0, grads, maximize=kwargs.get("maximize", False))
     assert_trajectories_close(got, want)
 
 
