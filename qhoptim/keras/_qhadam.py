@@ -94,6 +94,7 @@ class QHAdam(QHOptimizer):
             "nu_2": validation.check_nu2,
             "epsilon": validation.check_eps,
             "weight_decay": validation.optional(validation.check_weight_decay),
+            "amsgrad": validation.check_bool,
         }
     )
 

@@ -462,6 +462,10 @@ class _QHOptimizer(_NarrowState):
         return 0.0 if self.decoupled_weight_decay else self.weight_decay
 
     def _set_fused(self, fused: Any) -> None:
+        self._check_fused(fused)
+        self.fused = fused
+
+    def _check_fused(self, fused: Any) -> None:
         if fused is not None:
             validation.check_bool(fused, "fused")
         if fused and _dtype_name(self.state_dtype) not in (None, "float32", "bfloat16"):
@@ -469,7 +473,11 @@ class _QHOptimizer(_NarrowState):
                 "fused=True stores the state in float32 or bfloat16; "
                 f"received state_dtype={self.state_dtype!r}"
             )
-        self.fused = fused
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "fused" and name in self.__dict__:  # set later: as the constructor checks it
+            self._check_fused(value)
+        super().__setattr__(name, value)
 
     def _kernel_store(self, gradient: mx.array, parameter: mx.array, stored: list[mx.array]) -> Any:
         """How the C++ step (:mod:`qhoptim.mlx._extension`) stores this
@@ -479,8 +487,8 @@ class _QHOptimizer(_NarrowState):
         gradient of the parameter's shape."""
         if self.fused is False or parameter.dtype != mx.float32 or gradient.dtype != mx.float32:
             return None
-        if gradient.shape != parameter.shape:  # one that broadcasts: MLX's operations take it
-            return None
+        if gradient.shape != parameter.shape or any(x.shape != parameter.shape for x in stored):
+            return None  # one that broadcasts: MLX's operations take it
         dtypes = {x.dtype for x in stored}
         if dtypes == {mx.bfloat16}:
             store = _Store.BFLOAT16_STOCHASTIC if self._stochastic else _Store.BFLOAT16_NEAREST
@@ -584,7 +592,6 @@ class QHM(_QHOptimizer):
             "nu": validation.check_nu,
             "weight_decay": validation.check_weight_decay,
             "decoupled_weight_decay": validation.check_bool,
-            "fused": validation.optional(validation.check_bool),
         }
     )
 
@@ -706,7 +713,6 @@ class QHAdam(_QHOptimizer):
             "weight_decay": validation.check_weight_decay,
             "decoupled_weight_decay": validation.check_bool,
             "amsgrad": validation.check_bool,
-            "fused": validation.optional(validation.check_bool),
         }
     )
 

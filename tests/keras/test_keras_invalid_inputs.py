@@ -261,3 +261,11 @@ def test_a_hyperparameter_array_of_several_elements_is_refused(make, name: str) 
     with pytest.raises(ValueError, match=rf"^{name} must be one number"):
         setattr(opt, name, np.array([0.5, 0.6]))
     assert getattr(opt, name) == 0.5
+
+
+@pytest.mark.parametrize("value", ["no", np.bool_(True), 1])
+def test_amsgrad_set_later_is_a_bool_as_the_constructor_takes_it(value: object) -> None:
+    # A truthy string set later turned AMSGrad on (its slots were built).
+    with pytest.raises(TypeError, match=r"amsgrad must be a bool"):
+        qk.QHAdam(amsgrad=value)
+    assert_refused_when_set(qk.QHAdam(), "amsgrad", value, r"amsgrad must be a bool", TypeError)

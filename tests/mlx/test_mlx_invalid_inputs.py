@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
@@ -210,3 +212,13 @@ def test_a_pair_or_a_switch_set_later_is_refused_in_the_constructor_s_words(
     opt = cls(0.1)
     error = ValueError if name in ("betas", "nus") else TypeError
     assert_refused_when_set(opt, name, value, message, error)
+
+
+@pytest.mark.parametrize("state_dtype", [mx.float16, mx.float64])
+def test_fused_set_later_is_refused_where_the_constructor_refuses_it(state_dtype: Any) -> None:
+    # The C++ step stores float32 or bfloat16 state only; set later, fused=True
+    # was taken and the step quietly ran MLX's operations.
+    message = r"fused=True stores the state in float32 or bfloat16"
+    with pytest.raises(ValueError, match=message):
+        QHM(0.1, state_dtype=state_dtype, fused=True)
+    assert_refused_when_set(QHM(0.1, state_dtype=state_dtype), "fused", True, message)
