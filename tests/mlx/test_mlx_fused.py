@@ -254,6 +254,9 @@ def test_a_gradient_that_broadcasts_against_its_parameter_steps_as_mlx_s_operati
         params = {"w": mx.ones((4, 3))}
         for t in range(3):
             params = opt.apply_gradients({"w": mx.array([1.0, 0.5, -0.25]) * (t + 1)}, params)
+        # A float32 state left of the gradient's shape (3,), then a gradient of
+        # the parameter's: the state's shape differs, MLX's operations take it.
+        params = opt.apply_gradients({"w": mx.full((4, 3), 0.5)}, params)
         return params["w"], [v for k, v in opt.state["w"].items()]
 
     (fused_w, fused_state), (plain_w, plain_state) = run(True), run(False)
