@@ -112,7 +112,12 @@ def from_params(
         "from_params", params, convert.QHMParams, convert.QHAdamParams, convert.QHMuonParams
     )
     if isinstance(params, convert.QHMuonParams):
-        return qhmuon(**{"beta": params.momentum, "nu": params.nu, **kwargs})
+        # optax's Muon ties its AdamW's Nesterov to its own: nu = 1 is
+        # muon(nesterov=False), whose other arrays step without it.
+        adam_nesterov = params.nu != 1
+        return qhmuon(
+            **{"beta": params.momentum, "nu": params.nu, "adam_nesterov": adam_nesterov, **kwargs}
+        )
     if isinstance(params, convert.QHMParams):
         return qhm(learning_rate=params.lr, momentum=params.momentum, nu=params.nu, **kwargs)
     (b1, b2), (nu1, nu2) = params.betas, params.nus
