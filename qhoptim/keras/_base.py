@@ -49,6 +49,13 @@ def as_float(value: Any) -> Any:
     return value if x is None else x
 
 
+def hyperparameter_value(value: Any) -> Any:
+    """A hyperparameter as a step reads it: a zero-argument callable's value
+    (Keras's optimizers take ``beta_1=lambda: 0.9``, called at each step), any
+    other as it is."""
+    return value() if callable(value) else value
+
+
 def learning_rate_value(value: Any) -> Any:
     # Keras accepts only Python floats (plus schedules and callables); an int
     # learning rate (``learning_rate=1``) is taken as the float it means --

@@ -7,7 +7,13 @@ from types import MappingProxyType
 import keras
 
 from qhoptim import convert, rounding, validation
-from qhoptim.keras._base import QHOptimizer, as_float, documented, learning_rate_value
+from qhoptim.keras._base import (
+    QHOptimizer,
+    as_float,
+    documented,
+    hyperparameter_value,
+    learning_rate_value,
+)
 from qhoptim.keras._step import bias_correction_dtype, qhadam_amsgrad_step, qhadam_step
 
 __all__ = ["QHAdam", "QHAdamW"]
@@ -196,13 +202,9 @@ class QHAdam(QHOptimizer):
         return 3 if self.amsgrad else 2
 
     def _hyperparameters(self):
-        return {
-            "beta1": self.beta_1,
-            "beta2": self.beta_2,
-            "nu1": self.nu_1,
-            "nu2": self.nu_2,
-            "eps": self.epsilon,
-        }
+        values = (self.beta_1, self.beta_2, self.nu_1, self.nu_2, self.epsilon)
+        names = ("beta1", "beta2", "nu1", "nu2", "eps")
+        return dict(zip(names, map(hyperparameter_value, values), strict=True))
 
     def _slots(self, index):
         slots = {"momentum": self._momentums[index], "velocity": self._velocities[index]}

@@ -7,7 +7,13 @@ from types import MappingProxyType
 import keras
 
 from qhoptim import convert, validation
-from qhoptim.keras._base import QHOptimizer, as_float, documented, learning_rate_value
+from qhoptim.keras._base import (
+    QHOptimizer,
+    as_float,
+    documented,
+    hyperparameter_value,
+    learning_rate_value,
+)
 from qhoptim.keras._step import qhm_step
 
 __all__ = ["QHM"]
@@ -151,7 +157,10 @@ class QHM(QHOptimizer):
         return 1
 
     def _hyperparameters(self):
-        return {"momentum": self.momentum, "nu": self.nu}
+        return {
+            "momentum": hyperparameter_value(self.momentum),
+            "nu": hyperparameter_value(self.nu),
+        }
 
     def _slots(self, index):
         return {"momentum": self._momentums[index]}

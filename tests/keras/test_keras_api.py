@@ -7,6 +7,7 @@ import json
 import math
 import re
 import warnings
+from typing import Any
 
 import keras
 import numpy as np
@@ -390,3 +391,24 @@ def test_a_subclass_s_own_update_step_is_what_steps(cls: type) -> None:
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(free), keras.ops.convert_to_numpy(twin), rtol=4e-7
     )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda f: qk.QHAdam(0.1, beta_1=f(0.9), beta_2=f(0.99), nu_1=f(0.7), epsilon=f(1e-7)),
+        lambda f: qk.QHM(0.1, momentum=f(0.9), nu=f(0.7)),
+    ],
+    ids=["qhadam", "qhm"],
+)
+def test_zero_argument_callable_hyperparameters_step_as_their_values(make: Any) -> None:
+    # Keras's own optimizers take beta_1=lambda: 0.9 and call it at each step;
+    # here it was accepted and failed at the step.
+    results = []
+    for given in (lambda x: x, lambda x: lambda: x):
+        opt = make(given)
+        variable = keras.Variable(np.linspace(-1.0, 1.0, 6).astype("float32"))
+        for t in range(3):
+            opt.apply([keras.ops.ones(6) * (t + 1)], [variable])
+        results.append(keras.ops.convert_to_numpy(variable))
+    np.testing.assert_array_equal(results[1], results[0])
