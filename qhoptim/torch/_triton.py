@@ -767,9 +767,11 @@ def qhm_(
     addresses, blocks, _grads = found  # _grads: alive until the launch has read them
     scalars: tuple[float, ...]
     if isinstance(hp.lr, Tensor):  # evaluated on the device: nothing is read back
-        like = hp.lr.to(params[0].device, torch.float64)
-        values = _qhm_values(hp)
-        table, scalars = torch.stack([torch.zeros_like(like) + v for v in values]), (0.0,) * 6
+        # Folded in float64, as the table holds them: a float32 lr's products
+        # would be 1e-9 off for float64 parameters.
+        lr = hp.lr.to(params[0].device, torch.float64)
+        values = _qhm_values(hp._replace(lr=lr))
+        table, scalars = torch.stack([torch.zeros_like(lr) + v for v in values]), (0.0,) * 6
     elif params[0].dtype == torch.float64:
         table, scalars = _scalars(_qhm_values(hp), params[0])
     else:

@@ -236,6 +236,26 @@ def test_capturable_steps_follow_the_reference(
     assert_trajectories_close(got, want, rtol=1e-12)
 
 
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_float32_tensor_lr_folds_at_the_parameters_precision(
+    cls: type, kwargs: dict[str, Any], capturable: bool
+) -> None:
+    # float64 parameters: the coefficients (the decoupled decay's factor too)
+    # are folded from the float32 lr's value in float64, not in float32.
+    shapes = [(4, 3), (5,)]
+    params = _params(shapes)
+    params0 = [p.detach().cpu().clone() for p in params]
+    grads = random_grads(shapes, 6)
+    lr = torch.tensor(kwargs["lr"], dtype=F32, device=DEVICE)
+    opt = cls(params, **{**kwargs, "lr": lr}, fused=True, capturable=capturable)
+    got = _run(opt, params, grads)
+    want = reference_trajectory(
+        cls, {**kwargs, "lr": float(lr)}, params0, grads, maximize=kwargs.get("maximize", False)
+    )
+    assert_trajectories_close(got, want, rtol=1e-12)
+
+
 @pytest.mark.parametrize(("cls", "kwargs"), [CONFIGS[i] for i in ADAM], ids=[IDS[i] for i in ADAM])
 @pytest.mark.parametrize("capturable", [False, True])
 def test_grad_scaler_skips_a_step_with_an_inf_and_leaves_the_counts(
