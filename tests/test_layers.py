@@ -55,7 +55,11 @@ LAYERS: dict[str, dict[str, int]] = {
     },
     "qhoptim.mlx": {
         "_extension": 1,  # building and loading csrc/fused_cpu.cpp
-        "__init__": 2,  # the optimizers
+        "_base": 2,  # narrow state, checked learning rate and state, the C++ step's call
+        "_qhm": 3,
+        "_qhadam": 3,
+        "_qhmuon": 3,
+        "__init__": 4,  # the public API
     },
     "qhoptim.optax": {
         "_extension": 1,  # building and registering csrc/state_cpu.cpp
