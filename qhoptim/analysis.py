@@ -82,6 +82,7 @@ from qhoptim.validation import (
     check_beta,
     check_nu,
     check_nu2,
+    format_bound,
     range_error,
     require_real,
 )
@@ -136,7 +137,7 @@ def _check_betas(beta1: object, beta2: object) -> tuple[float, float, float]:
     b1 = require_real(beta1, "beta1")
     gap = b2 - b1 * b1
     if not (0.0 < b1 < math.sqrt(b2) and gap > 0.0):
-        interval = f"(0, sqrt(beta2)) = (0, {math.sqrt(b2):.6g})"
+        interval = f"(0, sqrt(beta2)) = (0, {format_bound(math.sqrt(b2))})"
         raise range_error("beta1", interval, beta1)
     return b1, b2, gap
 

@@ -183,7 +183,7 @@ def _momentum_in_range(beta: float, how: str, **values: object) -> float:
     if not 0.0 <= beta < 1.0:
         raise ValueError(
             f"the QHM momentum {how} must be in [0, 1); "
-            f"received {_received(**values)} (momentum={beta:g})"
+            f"received {_received(**values)} (momentum={validation.format_bound(beta)})"
         )
     return beta
 
@@ -629,7 +629,7 @@ def from_accsgd(delta: float, kappa: float, xi: float, eps: float = 0.7) -> QHMP
     xi = _interval(xi, "xi", 0.0, math.sqrt(kappa), low_closed=False, high_closed=True)
     eps = _interval(eps, "eps", 0.0, 1.0, low_closed=False)
     return _finish(
-        delta * eps * (1 + xi) / (1 + eps),
+        _ratio([delta, eps, 1 + xi], [1 + eps]),  # delta near float64's largest
         (eps * xi - 1) / (eps * (1 + xi)),
         (kappa - eps * eps * xi) / (kappa + eps * xi),
         delta=delta,

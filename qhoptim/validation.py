@@ -51,6 +51,7 @@ __all__ = [
     "check_unit_interval",
     "check_weight_decay",
     "concrete_float",
+    "format_bound",
     "range_error",
     "require_real",
 ]
@@ -142,11 +143,17 @@ def _elements_of(value: object, name: str) -> list[float]:
     except Exception:  # a value not readable here: symbolic, meta, fake
         return []
     elements = _flattened(listed)
+    if not elements:  # no number to step with, in any backend
+        raise _empty_error(name, tuple(int(n) for n in value.shape))
     if len(elements) < 2:
         return []
     if any(isinstance(x, bool) or not isinstance(x, numbers.Real) for x in elements):
         raise _not_a_number(name, value)
     return [_as_float(x) for x in elements]  # type: ignore[arg-type]
+
+
+def _empty_error(name: str, shape: tuple[int, ...]) -> ValueError:
+    return ValueError(f"{name} must not be empty; received an array of shape {shape}")
 
 
 def _concrete(value: object, name: str | None) -> float | None:
@@ -211,10 +218,14 @@ def as_float(value: T) -> float | T:
     return value if x is None else x
 
 
-def _fmt(x: float) -> str:
+def format_bound(x: float) -> str:
+    """A bound as short as it reads (``0``, ``1``, ``1e-08``), or all its digits
+    where fewer would round it: a computed bound (``sqrt(kappa)``) rounded to
+    six would print a range that seems to hold the value refused."""
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
-    return f"{x:g}"
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
 
 
 def _shown(value: object, x: float) -> str:
@@ -267,7 +278,7 @@ def check_interval(
     if not all(map(inside, _elements_of(value, name) if x is None else [x])):
         interval = (
             ("[" if low_closed else "(")
-            + f"{_fmt(low)}, {_fmt(high)}"
+            + f"{format_bound(low)}, {format_bound(high)}"
             + ("]" if high_closed else ")")
         )
         raise range_error(name, interval, value)
@@ -292,12 +303,18 @@ def check_one_number(value: T, name: str) -> T:
     optax broadcasts against its leaf, is refused here, in the shared shape::
 
         ValueError: momentum must be one number; received an array of shape (4,)
+
+    An empty array, which no backend can step with, as the range checks refuse it::
+
+        ValueError: momentum must not be empty; received an array of shape (0,)
     """
     shape = getattr(value, "shape", ())
     try:
         shape = tuple(int(n) for n in shape)
     except TypeError:  # not an array's shape
         return value
+    if math.prod(shape) == 0:
+        raise _empty_error(name, shape)
     if math.prod(shape) > 1:
         raise ValueError(f"{name} must be one number; received an array of shape {shape}")
     return value

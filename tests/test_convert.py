@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -745,6 +746,21 @@ def test_pid_tiny_gains_convert_without_zero_division() -> None:
     assert convert.from_pid(1e-170, 1e-170, -1e-170) == QHMParams(1e-170, -1.0, 0.5)
     # k_d - k_p overflows; k_d / (k_d - k_p) is 0.5.
     assert convert.from_pid(1e308, 1.0, -1e308).momentum == 0.5
+
+
+def test_accsgd_near_float64s_largest_delta_converts() -> None:
+    # delta * eps overflowed in between; the QHM lr, 1.647e308, is finite.
+    delta, kappa, xi, eps = 1e308, 10.0, 3.0, 0.7
+    exact = Fraction(delta) * Fraction(eps) * (1 + Fraction(xi)) / (1 + Fraction(eps))
+    assert convert.from_accsgd(delta, kappa, xi, eps).lr == float(exact)
+
+
+def test_a_computed_bound_is_shown_with_every_digit_it_needs() -> None:
+    # Six digits printed sqrt(10) as 3.16228, a range that seemed to hold 3.162278.
+    message = "xi must be in (0, 3.1622776601683795]; received xi=3.162278"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        convert.from_accsgd(0.1, 10.0, 3.162278)
+    assert validation.format_bound(1e-08) == "1e-08" and validation.format_bound(0.0) == "0"
 
 
 def test_pid_momentum_rounding_to_one_names_the_gains() -> None:

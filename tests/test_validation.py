@@ -132,3 +132,12 @@ def test_one_number_is_a_scalar_or_an_array_of_one() -> None:
         message = f"momentum must be one number; received an array of shape {shape}"
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             v.check_one_number(np.ones(shape), "momentum")
+
+
+def test_an_empty_array_is_refused_by_the_range_checks_and_as_one_number() -> None:
+    # It passed both, and failed inside the first step in every backend.
+    for shape in [(0,), (2, 0)]:
+        message = f"momentum must not be empty; received an array of shape {shape}"
+        for check in (v.check_one_number, v.check_beta, v.check_finite, v.check_lr):
+            with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+                check(np.ones(shape), "momentum")

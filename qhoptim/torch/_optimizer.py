@@ -195,7 +195,7 @@ def lr_value(lr: Any) -> Any:
         return lr.detach().item()
     if lr is required:
         return 0.0  # torch's add_param_group reports the missing lr, after these checks
-    return lr
+    return validation.check_one_number(lr, "lr")
 
 
 def numbers_only(hparams: dict[str, Any]) -> None:
@@ -211,6 +211,7 @@ def numbers_only(hparams: dict[str, Any]) -> None:
                 f"{name} must be a Python number (only lr may be a tensor); "
                 f"received {name}={value!r}"
             )
+        validation.check_one_number(value, name)  # a NumPy array of several, as elsewhere
 
 
 # The hyperparameters a param group may hold as numbers (QHM's and QHAdam's).

@@ -256,6 +256,10 @@ def test_a_hyperparameter_array_of_several_elements_is_refused(make, name: str) 
         ValueError, match=rf"^{name} must be one number; received an array of shape \(4,\)"
     ):
         make(np.array([0.1, 0.3, 0.5, 0.7]))
+    with pytest.raises(
+        ValueError, match=rf"^{name} must not be empty; received an array of shape \(0,\)"
+    ):
+        make(np.array([]))
     opt = make(np.array([0.5]))  # a one-element array is that number
     assert getattr(opt, name) == 0.5
     with pytest.raises(ValueError, match=rf"^{name} must be one number"):

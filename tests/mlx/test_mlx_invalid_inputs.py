@@ -75,6 +75,10 @@ def test_a_hyperparameter_array_of_several_elements_is_refused(make, name: str) 
         ValueError, match=rf"^{name} must be one number; received an array of shape \(4,\)"
     ):
         make(mx.array([0.1, 0.3, 0.5, 0.7]))
+    with pytest.raises(
+        ValueError, match=rf"^{name} must not be empty; received an array of shape \(0,\)"
+    ):
+        make(mx.array([]))
     make(mx.array([0.5]))
 
 

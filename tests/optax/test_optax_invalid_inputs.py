@@ -118,6 +118,9 @@ def test_concrete_array_hyperparameters_and_schedules_pass() -> None:
             {"learning_rate": [-0.5]},
             "learning_rate must be in [0, inf); received learning_rate=-0.5",
         ),
+        # Empty: no number to step with (it failed inside the first update).
+        (qho.qhm, {"momentum": []}, "momentum must not be empty; received an array of shape (0,)"),
+        (qho.qhadam, {"eps": []}, "eps must not be empty; received an array of shape (0,)"),
     ],
 )
 def test_concrete_arrays_are_range_checked(array, factory, kwargs, message) -> None:

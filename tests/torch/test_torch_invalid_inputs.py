@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from typing import Any
@@ -177,6 +178,49 @@ def test_numpy_scalars_in_added_and_loaded_groups_are_read_as_floats(
     fresh.load_state_dict(state)
     assert {k: fresh.param_groups[1][k] for k in plain} == plain
     _steps(fresh, [p for g in fresh.param_groups for p in g["params"]])
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "kwargs_of"),
+    [
+        (QHM, "lr", lambda a: {"lr": a}),
+        (QHM, "momentum", lambda a: {"momentum": a}),
+        (QHM, "nu", lambda a: {"nu": a}),
+        (QHAdam, "betas[0]", lambda a: {"betas": (a, 0.999)}),
+        (QHAdamW, "nus[1]", lambda a: {"nus": (0.7, a)}),
+        (QHAdam, "eps", lambda a: {"eps": a}),
+        (QHAdam, "weight_decay", lambda a: {"weight_decay": a}),
+    ],
+)
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_hyperparameter_array_of_several_or_no_elements_is_refused(
+    cls: type, name: str, kwargs_of: Any, foreach: bool
+) -> None:
+    # The steps fold each into a Python number: an array of several passed
+    # the range checks and failed inside the step, after QHM's buffer had moved.
+    escaped = re.escape(name)
+    for value, message in [
+        (
+            np.array([0.1, 0.3]),
+            rf"^{escaped} must be one number; received an array of shape \(2,\)$",
+        ),
+        (np.array([]), rf"^{escaped} must not be empty; received an array of shape \(0,\)$"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cls(_params(), **{"lr": 0.1, **kwargs_of(value)})
+        # Set in a group later: the next step refuses it and changes nothing.
+        opt = cls(ps := _params(), lr=0.1, foreach=foreach)
+        _steps(opt, ps)
+        before = ([p.detach().clone() for p in ps], copy.deepcopy(opt.state_dict()))
+        opt.param_groups[0].update(kwargs_of(value))
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        for a, b in zip(ps, before[0], strict=True):
+            torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
+        after = opt.state_dict()
+        for key, state in before[1]["state"].items():
+            for k, v in state.items():
+                torch.testing.assert_close(after["state"][key][k], v, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------- QHMuon
