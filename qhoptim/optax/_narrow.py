@@ -48,6 +48,8 @@ class EightBitArray:
 
     @classmethod
     def tree_unflatten(cls, signed: bool, children: Any) -> EightBitArray:
+        if not _flax_knows_eight_bit:  # flax imported after init: told at the next update
+            _tell_flax_of_eight_bit()
         codes, scales = children
         return cls(codes, scales, signed)
 
@@ -67,8 +69,9 @@ def _tell_flax_of_eight_bit() -> None:
     """Register :class:`EightBitArray` with ``flax.serialization`` (a state dict
     of its codes and scales; ``signed`` comes from the target, as a pytree's
     auxiliary data does), where flax is imported: ``to_bytes`` of an 8-bit
-    state, as of any optax state. Called on import and by every 8-bit
-    ``init``, so that flax is never imported here."""
+    state, as of any optax state. Called on import, by every 8-bit ``init``
+    and as an update's state is put together, so that flax is never imported
+    here."""
     global _flax_knows_eight_bit
     serialization = sys.modules.get("flax.serialization")
     if _flax_knows_eight_bit or serialization is None:

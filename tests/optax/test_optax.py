@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -441,6 +443,28 @@ def _checkpoint_round_trip(tx: Any, x: jax.Array, *, same_state: bool = False) -
 )
 def test_an_8_bit_state_survives_a_flax_checkpoint(make: Any) -> None:
     _checkpoint_round_trip(make(), jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32), same_state=True)
+
+
+def test_flax_imported_after_init_serializes_an_8_bit_state_after_an_update() -> None:
+    # flax learns of EightBitArray on import, at init, and as an update
+    # returns one: here flax comes after init, in a process of its own.
+    script = """
+import jax, jax.numpy as jnp, optax
+import qhoptim.optax as qho
+tx = qho.qhadam(0.05, state_dtype=jnp.uint8)
+x = jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32)
+state = tx.init(x)
+from flax import serialization
+_, state = jax.jit(tx.update)(x, state, x)
+blob = serialization.to_bytes(state)
+back = serialization.from_bytes(tx.init(x), blob)
+jax.tree.map(lambda a, b: (a == b).all().item() or exit(1), state, back)
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
