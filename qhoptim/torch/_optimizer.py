@@ -727,6 +727,22 @@ class NarrowStateOptimizer(Optimizer):
         }
 
 
+def fresh_step(step: Any, **where: Any) -> Tensor:
+    """A loaded step count as a fresh state holds it: a 0-d tensor of
+    ``where``'s dtype (and device). A saved Python number, int64 or float16
+    count (or one of shape ``(1,)``) would make a multi-tensor step fail on the
+    mix, or a float16 one stop counting at 2048 and repeat the rounding's seeds."""
+    if not torch.is_tensor(step):
+        return torch.tensor(float(step), **where)
+    if (
+        step.dtype != where["dtype"]
+        or step.dim() != 0
+        or ("device" in where and step.device != where["device"])
+    ):
+        return step.detach().reshape(()).to(**where)
+    return step
+
+
 class MomentumBufferState:
     """The state of an optimizer with one momentum buffer per parameter (QHM,
     QHMuon): the buffer, and with a narrow ``state_dtype`` a step count (the
@@ -755,6 +771,13 @@ class MomentumBufferState:
             state["step"] = torch.zeros((), dtype=torch.float64)
         buffer: Tensor = state["momentum_buffer"]
         return buffer
+
+    def _upgrade_step(self, group: dict[str, Any]) -> None:
+        """A loaded step count (the rounding's seed) as :meth:`_momentum_buffer` makes it."""
+        for p in group["params"]:
+            p_state = self.state.get(p, {})  # type: ignore[attr-defined]
+            if "step" in p_state:
+                p_state["step"] = fresh_step(p_state["step"], dtype=torch.float64)
 
 
 class QHOptimizer(NarrowStateOptimizer):

@@ -18,6 +18,7 @@ from qhoptim.torch._optimizer import (
     capturable_doc,
     differentiable_doc,
     foreach_doc,
+    fresh_step,
     lr_value,
     maximize_doc,
     numbers_only,
@@ -151,16 +152,7 @@ class QHAdam(QHOptimizer):
             # capturable or fused, as torch's Adam moves it): a saved int64 or
             # float16 count would make every multi-tensor step fail on the mix
             # of dtypes.
-            where = self._step_dtype_and_device(group, p)
-            step = p_state["step"]
-            if not torch.is_tensor(step):
-                p_state["step"] = torch.tensor(float(step), **where)
-            elif (
-                step.dtype != where["dtype"]
-                or step.dim() != 0
-                or ("device" in where and step.device != where["device"])
-            ):
-                p_state["step"] = step.detach().reshape(()).to(**where)
+            p_state["step"] = fresh_step(p_state["step"], **self._step_dtype_and_device(group, p))
 
     def _init_group(
         self,

@@ -120,10 +120,8 @@ class QHM(MomentumBufferState, QHOptimizer):
         group.setdefault("state_dtype", None)
         group.setdefault("stochastic_rounding", None)
         for p in group["params"]:
-            p_state = self.state.get(p, {})
-            cast_complex_state(p, p_state)
-            if torch.is_tensor(p_state.get("step")):
-                p_state["step"] = p_state["step"].detach().reshape(()).to(torch.float64)
+            cast_complex_state(p, self.state.get(p, {}))
+        self._upgrade_step(group)
         self._narrow_state(group, self._STATE_LISTS)
 
     def _init_group(

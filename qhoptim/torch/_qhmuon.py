@@ -109,6 +109,7 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
         for group in self.param_groups:
             group.setdefault("state_dtype", None)  # pickled before it was an option
             group.setdefault("stochastic_rounding", None)
+            self._upgrade_step(group)
             # torch's load_state_dict casts the state to the parameters' dtype
             self._narrow_state(group, self._STATE_LISTS)
 

@@ -351,6 +351,51 @@ def test_a_saved_step_of_another_dtype_is_cast_on_load(step_dtype: Any, flags: d
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+SEEDED_SHAPES = [(3, 2), (4, 3)]
+SEEDED = {  # a narrow state: a step count for the rounding's seeds
+    "QHM": lambda ps: QHM(ps, lr=0.5, momentum=0.9, nu=0.7, state_dtype=torch.bfloat16),
+    "QHMuon": lambda ps: QHMuon(ps, lr=0.02, state_dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize(
+    "step_of",
+    [int, float, lambda n: torch.tensor([n], dtype=torch.float32)]
+    + [lambda n, d=d: torch.tensor(n, dtype=d) for d in (torch.int64, torch.float16)],
+    ids=["python-int", "python-float", "shape-1", "int64", "float16"],
+)
+@pytest.mark.parametrize("name", SEEDED)
+def test_a_saved_seed_count_of_another_kind_is_cast_on_load(name: str, step_of: Any) -> None:
+    # A Python number failed the next step after it had moved the parameters
+    # (QHM, QHMuon); QHMuon kept a float16 count, which stops at 2048 and
+    # repeats the rounding's seeds from there.
+    def params() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=F64)) for s in SEEDED_SHAPES]
+
+    trained = SEEDED[name](ps := params())
+    run_torch(trained, ps, random_grads(SEEDED_SHAPES, 3))
+    saved = trained.state_dict()
+    edited = copy.deepcopy(saved)
+    for state in edited["state"].values():
+        state["step"] = step_of(int(state["step"].item()) + 2045)
+    for state in saved["state"].values():
+        state["step"] = torch.tensor(float(state["step"].item()) + 2045, dtype=F64)
+    expected_params, loaded_params = params(), params()
+    expected, loaded = SEEDED[name](expected_params), SEEDED[name](loaded_params)
+    expected.load_state_dict(saved)
+    loaded.load_state_dict(edited)
+    for q in loaded_params:
+        step = loaded.state[q]["step"]
+        assert (step.dtype, step.shape) == (F64, ())
+    grads = random_grads(SEEDED_SHAPES, 4, seed=5)
+    run_torch(expected, expected_params, grads)
+    run_torch(loaded, loaded_params, grads)
+    for a, b in zip(expected_params, loaded_params, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert float(loaded.state[loaded_params[0]]["step"]) == 2052
+
+
 @pytest.mark.parametrize("name", ["QHM", "QHAdam"])
 def test_a_wrappers_entries_beside_the_state_load_and_stay(name: str) -> None:
     # timm's Lookahead keeps its slow weights in the wrapped optimizer's state
