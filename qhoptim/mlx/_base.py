@@ -153,6 +153,13 @@ def _restore(containers: list[tuple[Any, Any]]) -> None:
             container[:] = items
 
 
+def _check_learning_rate(value: Any) -> None:
+    """A ``learning_rate`` set or restored: as the constructors check it, in
+    range and one number (an array of several would broadcast each parameter
+    against it: a ``(2, 1)`` one made a ``(3,)`` parameter ``(2, 3)``)."""
+    validation.check_one_number(validation.check_lr(value, "learning_rate"), "learning_rate")
+
+
 #: MLX's ``Optimizer.learning_rate`` and ``Optimizer.state`` properties, which
 #: _NarrowState's wrap.
 _MLX_LEARNING_RATE: Any = vars(optim.Optimizer)["learning_rate"]
@@ -179,7 +186,7 @@ class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, value: float | mx.array) -> None:
-        validation.check_lr(value, "learning_rate")
+        _check_learning_rate(value)
         _MLX_LEARNING_RATE.fset(self, value)
 
     @property
@@ -193,7 +200,7 @@ class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
         # the one the state holds.
         scheduled = "learning_rate" in self._schedulers
         if isinstance(value, dict) and "learning_rate" in value and not scheduled:
-            validation.check_lr(value["learning_rate"], "learning_rate")
+            _check_learning_rate(value["learning_rate"])
         _MLX_STATE.fset(self, value)
 
     def __getstate__(self) -> dict[str, Any]:

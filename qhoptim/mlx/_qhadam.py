@@ -164,6 +164,7 @@ class QHAdam(_QHOptimizer):
             },
         )
         _one_number_each(
+            learning_rate=learning_rate,
             **{"betas[0]": b1, "betas[1]": b2, "nus[0]": nu1, "nus[1]": nu2},
             eps=eps,
             weight_decay=weight_decay,

@@ -119,7 +119,9 @@ class QHM(_QHOptimizer):
             names={"lr": "learning_rate"},
         )
         validation.check_bool(decoupled_weight_decay, "decoupled_weight_decay")
-        _one_number_each(momentum=momentum, nu=nu, weight_decay=weight_decay)
+        _one_number_each(
+            learning_rate=learning_rate, momentum=momentum, nu=nu, weight_decay=weight_decay
+        )
         super().__init__()  # type: ignore[no-untyped-call]
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
         # Concrete scalars (a NumPy float, a 0-d array) as the Python floats they hold.

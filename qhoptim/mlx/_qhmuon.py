@@ -121,7 +121,9 @@ class QHMuon(_NarrowState):
             names={"lr": "learning_rate"},
         )
         _check_ns_dtype(ns_dtype, "ns_dtype")
-        _one_number_each(momentum=momentum, nu=nu, weight_decay=weight_decay)
+        _one_number_each(
+            learning_rate=learning_rate, momentum=momentum, nu=nu, weight_decay=weight_decay
+        )
         super().__init__()  # type: ignore[no-untyped-call]
         self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
         self.momentum, self.nu = validation.as_float(momentum), validation.as_float(nu)

@@ -175,6 +175,17 @@ def test_a_learning_rate_set_later_is_checked_as_the_constructor_checks_it(cls: 
     assert opt.learning_rate.item() == 0.5
     with pytest.raises(ValueError, match=r"received learning_rate=nan"):
         opt.learning_rate = mx.array(float("nan"))
+    # An array of several made each parameter the broadcast of both shapes.
+    several = r"^learning_rate must be one number; received an array of shape \(2, 1\)$"
+    with pytest.raises(ValueError, match=several):
+        opt.learning_rate = mx.array([[0.1], [0.2]])
+    assert opt.learning_rate.item() == 0.5
+    with pytest.raises(ValueError, match=several):
+        cls(learning_rate=mx.array([[0.1], [0.2]]))
+    restored = dict(opt.state) | {"learning_rate": mx.array([[0.1], [0.2]])}
+    with pytest.raises(ValueError, match=several):
+        opt.state = restored
+    assert opt.learning_rate.item() == 0.5
 
 
 @pytest.mark.parametrize("cls", [QHM, QHAdam, QHAdamW, QHMuon])
