@@ -96,9 +96,122 @@ class CheckedLearningRate:
         keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate_value(value))
 
 
+class WholeStoreLoading:
+    """Keras's ``save_own_variables`` / ``load_own_variables`` for the QH
+    optimizers: the store records which slots it holds, and a load checks the
+    whole store before it assigns anything. A mixin, before Keras's class."""
+
+    # Keras's, through the class this one is mixed into.
+    variables: Any
+    built: bool
+    _iterations: Any
+
+    #: The store key under which :meth:`save_own_variables` records which slots
+    #: the optimizer keeps (:meth:`_layout`), so that a store of another QH
+    #: optimizer whose shapes happen to fit is not loaded.
+    _LAYOUT_KEY = "qhoptim_layout"
+
+    def _layout(self) -> int:
+        """The slots kept per model variable: 1 (QHM), 2 (QHAdam), 3 (QHAdam
+        with amsgrad), 4 (QHMuon: Muon's or AdamW's, by variable)."""
+        raise NotImplementedError
+
+    def save_own_variables(self, store: Any) -> None:
+        """Save the optimizer's variables (Keras's), and which slots they are."""
+        super().save_own_variables(store)  # type: ignore[misc]
+        import numpy as np
+
+        store[self._LAYOUT_KEY] = np.array([self._layout()], dtype="int64")
+
+    def load_own_variables(self, store: Any) -> None:
+        """Load the optimizer's variables (``.keras`` files), all or none.
+
+        The whole store is checked before any variable is assigned: the
+        optimizer it was saved from (stores saved by this version record their
+        slots), the number of variables, and each value's shape and numeric
+        type. A store saved from another model or optimizer raises
+        ``ValueError`` and leaves the state as it was (Keras alone warns on a
+        count mismatch and loads nothing, and assigns until the first mismatch).
+        Where one side has no slots yet -- saved, or loaded into, before the
+        first step (``model.save`` before ``fit``; ``load_weights`` into a model
+        just compiled) -- there is no state to carry: as Keras's optimizers,
+        this warns and loads nothing.
+        """
+        import numpy as np
+
+        name = type(self).__name__
+        keys = {str(k) for k in store.keys()}
+        if self._LAYOUT_KEY in keys:
+            saved = np.asarray(store[self._LAYOUT_KEY]).ravel()
+            kinds = {
+                1: "QHM's (momentum)",
+                2: "QHAdam's (momentum, velocity)",
+                3: ("QHAdam's with amsgrad (momentum, velocity, velocity_hat)"),
+                4: "QHMuon's (Muon's momentum, AdamW's momentum and velocity)",
+            }
+            if saved.tolist() != [self._layout()]:
+                got = kinds.get(saved.tolist()[0], repr(saved.tolist())) if saved.size else saved
+                raise ValueError(
+                    f"{name} cannot load these variables: they are {got} slots, "
+                    f"this optimizer keeps {kinds[self._layout()]}"
+                )
+            keys.discard(self._LAYOUT_KEY)
+        # The variables an optimizer has before it builds: its step count and
+        # (unless a schedule) its learning rate.
+        unbuilt = sum(
+            isinstance(v, keras.Variable)
+            for v in (self._iterations, getattr(self, "_learning_rate", None))
+        )
+        if len(keys) != len(self.variables) and (not self.built or len(keys) == unbuilt):
+            warnings.warn(
+                f"{name} loads no variables: the store has {len(keys)}, the optimizer "
+                f"{len(self.variables)}, and "
+                + ("the optimizer" if not self.built else "the store's optimizer")
+                + " had not stepped yet (it builds on its first step, or with "
+                "optimizer.build(model.trainable_variables))",
+                stacklevel=2,
+            )
+            return
+        if len(keys) != len(self.variables):
+            hint = (
+                " (is the optimizer built? it builds on its first step, or with "
+                "optimizer.build(model.trainable_variables))"
+                if not self.built
+                else ""
+            )
+            raise ValueError(
+                f"{name} cannot load a store of {len(keys)} variables: it has "
+                f"{len(self.variables)}{hint}; was it saved from another model or optimizer?"
+            )
+        values = []
+        for i, variable in enumerate(self.variables):
+            if str(i) not in keys:
+                raise ValueError(f"{name} cannot load its variable {i}: the store has no entry {i}")
+            try:
+                value = np.asarray(store[str(i)])
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"{name} cannot load its variable {i} ({variable.path}): {error}"
+                ) from error
+            if value.dtype.kind not in "biuf" and value.dtype.name != "bfloat16":
+                raise ValueError(
+                    f"{name} cannot load its variable {i} ({variable.path}): saved with "
+                    f"dtype {value.dtype}, not a number"
+                )
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"{name} cannot load its variable {i} ({variable.path}): "
+                    f"saved with shape {tuple(value.shape)}, it has {tuple(variable.shape)}"
+                )
+            values.append(value)
+        for variable, value in zip(self.variables, values, strict=True):
+            variable.assign(value)
+
+
 class _PerVariableStep(
     validation.CheckedAttributes,
     CheckedLearningRate,
+    WholeStoreLoading,
     keras.optimizers.Optimizer,  # type: ignore[misc]
 ):
     """Backend-neutral plumbing: running one variable's step, decoupled weight decay.
@@ -169,105 +282,6 @@ class _PerVariableStep(
         # Decoupled decay is part of each variable's step (``rules.apply_update``, i.e.
         # ``rules.apply_update``): same math as Keras's separate pass, one pass less.
         return
-
-    #: The store key under which :meth:`save_own_variables` records which slots
-    #: the optimizer keeps (:meth:`_layout`), so that a store of another QH
-    #: optimizer whose shapes happen to fit is not loaded.
-    _LAYOUT_KEY = "qhoptim_layout"
-
-    def _layout(self) -> int:
-        """The slots kept per model variable: 1 (QHM), 2 (QHAdam), 3 (QHAdam with amsgrad)."""
-        raise NotImplementedError
-
-    def save_own_variables(self, store: Any) -> None:
-        """Save the optimizer's variables (Keras's), and which slots they are."""
-        super().save_own_variables(store)
-        import numpy as np
-
-        store[self._LAYOUT_KEY] = np.array([self._layout()], dtype="int64")
-
-    def load_own_variables(self, store: Any) -> None:
-        """Load the optimizer's variables (``.keras`` files), all or none.
-
-        The whole store is checked before any variable is assigned: the
-        optimizer it was saved from (stores saved by this version record their
-        slots), the number of variables, and each value's shape and numeric
-        type. A store saved from another model or optimizer raises
-        ``ValueError`` and leaves the state as it was (Keras alone warns on a
-        count mismatch and loads nothing, and assigns until the first mismatch).
-        Where one side has no slots yet -- saved, or loaded into, before the
-        first step (``model.save`` before ``fit``; ``load_weights`` into a model
-        just compiled) -- there is no state to carry: as Keras's optimizers,
-        this warns and loads nothing.
-        """
-        import numpy as np
-
-        name = type(self).__name__
-        keys = {str(k) for k in store.keys()}
-        if self._LAYOUT_KEY in keys:
-            saved = np.asarray(store[self._LAYOUT_KEY]).ravel()
-            kinds = {
-                1: "QHM's (momentum)",
-                2: "QHAdam's (momentum, velocity)",
-                3: ("QHAdam's with amsgrad (momentum, velocity, velocity_hat)"),
-            }
-            if saved.tolist() != [self._layout()]:
-                got = kinds.get(saved.tolist()[0], repr(saved.tolist())) if saved.size else saved
-                raise ValueError(
-                    f"{name} cannot load these variables: they are {got} slots, "
-                    f"this optimizer keeps {kinds[self._layout()]}"
-                )
-            keys.discard(self._LAYOUT_KEY)
-        # The variables an optimizer has before it builds: its step count and
-        # (unless a schedule) its learning rate.
-        unbuilt = sum(
-            isinstance(v, keras.Variable)
-            for v in (self._iterations, getattr(self, "_learning_rate", None))
-        )
-        if len(keys) != len(self.variables) and (not self.built or len(keys) == unbuilt):
-            warnings.warn(
-                f"{name} loads no variables: the store has {len(keys)}, the optimizer "
-                f"{len(self.variables)}, and "
-                + ("the optimizer" if not self.built else "the store's optimizer")
-                + " had not stepped yet (it builds on its first step, or with "
-                "optimizer.build(model.trainable_variables))",
-                stacklevel=2,
-            )
-            return
-        if len(keys) != len(self.variables):
-            hint = (
-                " (is the optimizer built? it builds on its first step, or with "
-                "optimizer.build(model.trainable_variables))"
-                if not self.built
-                else ""
-            )
-            raise ValueError(
-                f"{name} cannot load a store of {len(keys)} variables: it has "
-                f"{len(self.variables)}{hint}; was it saved from another model or optimizer?"
-            )
-        values = []
-        for i, variable in enumerate(self.variables):
-            if str(i) not in keys:
-                raise ValueError(f"{name} cannot load its variable {i}: the store has no entry {i}")
-            try:
-                value = np.asarray(store[str(i)])
-            except (TypeError, ValueError) as error:
-                raise ValueError(
-                    f"{name} cannot load its variable {i} ({variable.path}): {error}"
-                ) from error
-            if value.dtype.kind not in "biuf" and value.dtype.name != "bfloat16":
-                raise ValueError(
-                    f"{name} cannot load its variable {i} ({variable.path}): saved with "
-                    f"dtype {value.dtype}, not a number"
-                )
-            if tuple(value.shape) != tuple(variable.shape):
-                raise ValueError(
-                    f"{name} cannot load its variable {i} ({variable.path}): "
-                    f"saved with shape {tuple(value.shape)}, it has {tuple(variable.shape)}"
-                )
-            values.append(value)
-        for variable, value in zip(self.variables, values, strict=True):
-            variable.assign(value)
 
     def _weight_decay_for(self, variable: Any) -> Any:
         """The decoupled weight decay of ``variable``: a float, or None for none."""

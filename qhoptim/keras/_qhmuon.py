@@ -14,6 +14,7 @@ from qhoptim import convert, rounding, rules, validation
 from qhoptim.keras import _narrow
 from qhoptim.keras._base import (
     CheckedLearningRate,
+    WholeStoreLoading,
     as_float,
     dense_gradient,
     documented,
@@ -64,7 +65,12 @@ def _check_coefficient(value: Any, name: str) -> Any:
 
 @keras.saving.register_keras_serializable(package="qhoptim")
 @documented
-class QHMuon(validation.CheckedAttributes, CheckedLearningRate, keras.optimizers.Muon):  # type: ignore[misc]
+class QHMuon(
+    validation.CheckedAttributes,
+    CheckedLearningRate,
+    WholeStoreLoading,
+    keras.optimizers.Muon,  # type: ignore[misc]
+):
     r"""Muon with quasi-hyperbolic momentum: ``keras.optimizers.Muon`` plus ``nu``.
 
     For each variable Keras's Muon steps with Muon (2-D variables but
@@ -215,6 +221,9 @@ class QHMuon(validation.CheckedAttributes, CheckedLearningRate, keras.optimizers
             super().build(var_list)
         finally:
             self._building_slots = False
+
+    def _layout(self) -> int:
+        return 4
 
     def add_variable(self, *args: Any, **kwargs: Any) -> Any:
         if self._slot_dtype is not None:

@@ -254,7 +254,7 @@ def _assert_unchanged(opt, before) -> None:
         np.testing.assert_array_equal(_np(x), b)
 
 
-@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam])
+@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHMuon])
 @pytest.mark.parametrize("extra", [1, -1])
 def test_a_store_of_another_variable_count_raises(cls, extra) -> None:
     # Keras alone warns and loads nothing; docs/robustness.md promises a ValueError.
@@ -271,7 +271,7 @@ def test_a_store_of_another_variable_count_raises(cls, extra) -> None:
     _assert_unchanged(opt, before)
 
 
-@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam])
+@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHMuon])
 def test_a_store_from_before_the_first_step_loads_nothing_and_warns(cls) -> None:
     # As Keras's optimizers: model.save before fit, or load_weights into a
     # model just compiled, has no state on one side to carry.
@@ -288,6 +288,34 @@ def test_a_store_from_before_the_first_step_loads_nothing_and_warns(cls) -> None
     with pytest.warns(UserWarning, match="the optimizer had not stepped yet"):
         fresh.load_own_variables(built)
     assert not fresh.built
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading", "kind"),
+    [
+        (qk.QHM, qk.QHMuon, "QHM's"),
+        (qk.QHMuon, qk.QHM, "QHMuon's"),
+        (qk.QHMuon, qk.QHAdam, "QHMuon's"),
+    ],
+)
+def test_a_store_of_another_qh_optimizer_whose_count_fits_raises(
+    saved, loading, kind, tmp_path
+) -> None:
+    # One Dense layer: QHM's two slots and the step count and learning rate
+    # make as many variables as QHMuon's; QHMuon assigned three of them
+    # before a shape told it apart.
+    def trained(opt):
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(np.ones((8, 6)), np.ones((8, 3)), batch_size=4, epochs=1, verbose=0)
+        return model
+
+    trained(saved(0.05)).save_weights(tmp_path / "saved.weights.h5")
+    model = trained(loading(0.02))
+    before = [_np(x).copy() for x in model.optimizer.variables]
+    with pytest.raises(ValueError, match=f"cannot load these variables: they are {kind}"):
+        model.load_weights(tmp_path / "saved.weights.h5")
+    _assert_unchanged(model.optimizer, before)
 
 
 def test_a_model_saved_before_fit_loads(tmp_path) -> None:
