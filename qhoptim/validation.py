@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "check_finite",
     "check_interval",
     "check_lr",
+    "check_not_callable",
     "check_nu",
     "check_nu2",
     "check_one_number",
@@ -304,10 +305,15 @@ def check_one_number(value: T, name: str) -> T:
 
         ValueError: momentum must be one number; received an array of shape (4,)
 
+    A callable (a schedule), as no step folds one in, as any non-number::
+
+        TypeError: nu must be a real number; received nu=<function <lambda> at 0x...>
+
     An empty array, which no backend can step with, as the range checks refuse it::
 
         ValueError: momentum must not be empty; received an array of shape (0,)
     """
+    check_not_callable(value, name)  # a schedule: no step folds one in
     shape = getattr(value, "shape", ())
     try:
         shape = tuple(int(n) for n in shape)
@@ -406,6 +412,25 @@ def check_nu2(value: T, name: str = "nu2") -> T:
     return check_unit_interval(value, name)
 
 
+def _no_schedules(
+    values: dict[str, object], names: dict[str, str], callables: Collection[str]
+) -> None:
+    """Refuse a callable (a schedule) for each hyperparameter but ``lr`` and
+    ``callables`` (Keras's QHM and QHAdam call theirs at each step): no other
+    step can read one, and it would fail inside the first."""
+    for key, value in values.items():
+        if key != "lr" and key not in callables:
+            check_not_callable(value, names[key])
+
+
+def check_not_callable(value: T, name: str) -> T:
+    """A hyperparameter a step reads as a number, not a schedule: a callable is
+    refused as any other non-number is (only learning rates are scheduled)."""
+    if callable(value):
+        raise _not_a_number(name, value)
+    return value
+
+
 def check_qhm(
     *,
     lr: object,
@@ -413,10 +438,15 @@ def check_qhm(
     nu: object,
     weight_decay: object = 0.0,
     names: dict[str, str] | None = None,
+    callables: Collection[str] = (),
 ) -> None:
-    """Validate a full QHM hyperparameter set (``names`` maps to backend spellings)."""
+    """Validate a full QHM hyperparameter set (``names`` maps to backend
+    spellings; ``callables``: the hyperparameters that may be zero-argument
+    callables besides ``lr``)."""
     n = {"lr": "lr", "momentum": "momentum", "nu": "nu", "weight_decay": "weight_decay"}
     n.update(names or {})
+    values = {"lr": lr, "momentum": momentum, "nu": nu, "weight_decay": weight_decay}
+    _no_schedules(values, n, callables)
     check_lr(lr, n["lr"])
     check_beta(momentum, n["momentum"])
     check_nu(nu, n["nu"])
@@ -433,8 +463,10 @@ def check_qhadam(
     eps: object,
     weight_decay: object = 0.0,
     names: dict[str, str] | None = None,
+    callables: Collection[str] = (),
 ) -> None:
-    """Validate a full QHAdam hyperparameter set (``names`` maps to backend spellings)."""
+    """Validate a full QHAdam hyperparameter set (``names``, ``callables``: as
+    :func:`check_qhm`'s)."""
     n = {
         "lr": "lr",
         "beta1": "beta1",
@@ -445,6 +477,8 @@ def check_qhadam(
         "weight_decay": "weight_decay",
     }
     n.update(names or {})
+    values = {"lr": lr, "beta1": beta1, "beta2": beta2, "nu1": nu1, "nu2": nu2, "eps": eps}
+    _no_schedules({**values, "weight_decay": weight_decay}, n, callables)
     check_lr(lr, n["lr"])
     check_beta(beta1, n["beta1"])
     check_beta(beta2, n["beta2"])
@@ -572,6 +606,9 @@ class CheckedAttributes:
     #: Attributes the constructor alone sets (``state_dtype``: the state is
     #: made in it); set to another value later, refused.
     _FIXED: ClassVar[frozenset[str]] = frozenset({"state_dtype", "stochastic_rounding"})
+    #: Attributes that may be zero-argument callables, called at each step
+    #: (Keras's QHM and QHAdam); any other callable is refused.
+    _CALLABLE: ClassVar[frozenset[str]] = frozenset()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self.__dict__:
@@ -583,7 +620,7 @@ class CheckedAttributes:
             check = self._CHECKS.get(name)
             if check is not None:
                 value = _kept(check(value, name))
-        if name in self._CHECKS:
+        if name in self._CHECKS and not (name in self._CALLABLE and callable(value)):
             # The step folds each hyperparameter in as one number, from the
             # constructor's first assignment on (a pair's check takes its elements).
             check_one_number(value, name)

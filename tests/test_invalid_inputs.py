@@ -126,10 +126,44 @@ class _ArrayLike:
     ids=["array-like", "array", "schedule"],  # not repr's addresses: one id in every process
 )
 def test_deferred_values_pass_unchecked(value: Any) -> None:
-    validation.check_qhm(lr=value, momentum=value, nu=value, weight_decay=value)
-    validation.check_qhadam(
-        lr=value, beta1=value, beta2=value, nu1=value, nu2=value, eps=value, weight_decay=value
+    # A schedule where the backend says it calls one (lr; Keras's QHM and QHAdam).
+    wd = 0.0 if callable(value) else value
+    validation.check_qhm(
+        lr=value, momentum=value, nu=value, weight_decay=wd, callables=("momentum", "nu")
     )
+    validation.check_qhadam(
+        lr=value, beta1=value, beta2=value, nu1=value, nu2=value, eps=value, weight_decay=wd,
+        callables=("beta1", "beta2", "nu1", "nu2", "eps"),
+    )  # fmt: skip
+
+
+def _schedule() -> float:
+    return 0.5
+
+
+@pytest.mark.parametrize(
+    ("check", "name"),
+    [
+        (lambda v: validation.check_qhm(lr=0.1, momentum=0.9, nu=v), "nu"),
+        (
+            lambda v: validation.check_qhm(lr=0.1, momentum=0.9, nu=0.7, weight_decay=v),
+            "weight_decay",
+        ),
+        (lambda v: validation.check_qhm(lr=0.1, momentum=v, nu=0.7, callables=("nu",)), "momentum"),
+        (
+            lambda v: validation.check_qhadam(
+                lr=0.1, beta1=0.9, beta2=0.99, nu1=0.7, nu2=1.0, eps=v
+            ),
+            "eps",
+        ),
+        (lambda v: validation.check_one_number(v, "beta2"), "beta2"),
+    ],
+)
+def test_a_schedule_is_refused_where_no_step_calls_one(check: Any, name: str) -> None:
+    # It passed the checks and failed inside the first step (every backend).
+    message = f"^{name} must be a real number; received {name}=<function _schedule at 0x"
+    with pytest.raises(TypeError, match=message):
+        check(_schedule)
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,7 @@ class QHAdam(QHOptimizer):
             "amsgrad": validation.check_bool,
         }
     )
+    _CALLABLE = frozenset({"beta_1", "beta_2", "nu_1", "nu_2", "epsilon"})  # called at each step
 
     def __init__(
         self,
@@ -139,6 +140,7 @@ class QHAdam(QHOptimizer):
             eps=epsilon,
             weight_decay=0.0 if weight_decay is None else weight_decay,
             names=_QHADAM_NAMES,
+            callables=("beta1", "beta2", "nu1", "nu2", "eps"),
         )
         super().__init__(
             learning_rate=learning_rate,

@@ -83,6 +83,7 @@ class QHM(QHOptimizer):
             "weight_decay": validation.optional(validation.check_weight_decay),
         }
     )
+    _CALLABLE = frozenset({"momentum", "nu"})  # called at each step
 
     def __init__(
         self,
@@ -111,6 +112,7 @@ class QHM(QHOptimizer):
             nu=nu,
             weight_decay=0.0 if weight_decay is None else weight_decay,
             names={"lr": "learning_rate"},
+            callables=("momentum", "nu"),
         )
         super().__init__(
             learning_rate=learning_rate,

@@ -70,7 +70,8 @@ def _one_number_each(**hyperparameters: Any) -> None:
     """The compiled steps take each hyperparameter as one Python number (as
     MLX's own optimizers do, which accept an array and fail at the step)."""
     for name, value in hyperparameters.items():
-        validation.check_one_number(value, name)
+        if not (name == "learning_rate" and callable(value)):  # a schedule is called
+            validation.check_one_number(value, name)
 
 
 def _working(state: mx.array, param: mx.array) -> mx.array:
@@ -157,7 +158,9 @@ def _check_learning_rate(value: Any) -> None:
     """A ``learning_rate`` set or restored: as the constructors check it, in
     range and one number (an array of several would broadcast each parameter
     against it: a ``(2, 1)`` one made a ``(3,)`` parameter ``(2, 3)``)."""
-    validation.check_one_number(validation.check_lr(value, "learning_rate"), "learning_rate")
+    validation.check_lr(value, "learning_rate")
+    if not callable(value):  # a schedule is called
+        validation.check_one_number(value, "learning_rate")
 
 
 #: MLX's ``Optimizer.learning_rate`` and ``Optimizer.state`` properties, which

@@ -107,8 +107,8 @@ def scale_by_qhm(
       Ma & Yarats, `Quasi-hyperbolic momentum and Adam for deep learning
       <https://arxiv.org/abs/1810.06801>`_, ICLR 2019, section 3.
     """
-    validation.check_beta(momentum, "momentum")
-    validation.check_nu(nu, "nu")
+    validation.check_beta(validation.check_not_callable(momentum, "momentum"), "momentum")
+    validation.check_nu(validation.check_not_callable(nu, "nu"), "nu")
     # Concrete scalars (one-element NumPy or JAX arrays) as the floats they hold;
     # traced values (jit, inject_hyperparams) stay arrays.
     momentum, nu = validation.as_float(momentum), validation.as_float(nu)

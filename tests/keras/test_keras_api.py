@@ -402,7 +402,7 @@ def test_a_subclass_s_own_update_step_is_what_steps(cls: type) -> None:
     ids=["qhadam", "qhm"],
 )
 def test_zero_argument_callable_hyperparameters_step_as_their_values(make: Any) -> None:
-    # Keras's own optimizers take beta_1=lambda: 0.9 and call it at each step;
+    # Keras's own optimizers document beta_1=lambda: 0.9, called at each step;
     # here it was accepted and failed at the step.
     results = []
     for given in (lambda x: x, lambda x: lambda: x):

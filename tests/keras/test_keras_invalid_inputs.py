@@ -235,6 +235,34 @@ def test_a_learning_rate_set_later_is_checked_as_the_constructor_checks_it(cls: 
         callback.on_epoch_begin(0)
 
 
+def _schedule() -> float:
+    return 0.5
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda f: qk.QHM(0.1, weight_decay=f), "weight_decay"),
+        (lambda f: qk.QHAdamW(0.1, weight_decay=f), "weight_decay"),
+        (lambda f: qk.QHMuon(0.1, nu=f), "nu"),
+        (lambda f: qk.QHMuon(0.1, momentum=f), "momentum"),
+        (lambda f: qk.QHMuon(0.1, adam_beta_1=f), "adam_beta_1"),
+    ],
+)
+def test_a_callable_is_refused_where_no_step_calls_it(make, name: str) -> None:
+    # QHM's and QHAdam's discounts (and epsilon) are called at each step; these
+    # were accepted and failed inside the first step.
+    with pytest.raises(
+        TypeError, match=rf"^{name} must be a real number; received {name}=<function"
+    ):
+        make(_schedule)
+    opt = qk.QHM(0.1, momentum=_schedule)  # called at each step
+    with pytest.raises(TypeError, match=r"^weight_decay must be a real number"):
+        opt.weight_decay = _schedule
+    opt.nu = _schedule
+    assert opt.nu is _schedule
+
+
 @pytest.mark.parametrize(
     ("make", "name"),
     [

@@ -82,6 +82,30 @@ def test_a_hyperparameter_array_of_several_elements_is_refused(make, name: str) 
     make(mx.array([0.5]))
 
 
+def _schedule() -> float:
+    return 0.5
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda f: QHM(0.1, nu=f), "nu"),
+        (lambda f: QHAdam(0.1, nus=(f, 1.0)), r"nus\[0\]"),
+        (lambda f: QHMuon(0.1, momentum=f), "momentum"),
+    ],
+)
+def test_a_schedule_is_refused_but_for_the_learning_rate(make: Any, name: str) -> None:
+    # It passed, and the first step failed inside the compiled step.
+    with pytest.raises(
+        TypeError, match=rf"^{name} must be a real number; received {name}=<function"
+    ):
+        make(_schedule)
+    opt = QHM(0.1)
+    with pytest.raises(TypeError, match=r"^nu must be a real number"):
+        opt.nu = _schedule
+    assert opt.nu == 0.7
+
+
 SET_LATER = [
     (QHM, "momentum", 1.0, r"momentum must be in \[0, 1\); received momentum=1.0"),
     (QHM, "nu", float("nan"), r"nu must be a finite real number"),

@@ -99,6 +99,35 @@ def test_concrete_array_hyperparameters_and_schedules_pass() -> None:
     np.testing.assert_allclose(updates, -0.1 * ((1 - 1.5) + 1.5 * (1 - 0.9)) * jnp.ones(2))
 
 
+def _schedule(count: Any) -> float:
+    return 0.5
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda f: qho.qhm(0.1, nu=f), "nu"),
+        (lambda f: qho.qhadam(0.1, nu1=f), "nu1"),
+        (lambda f: qho.qhadamw(0.1, b2=f), "b2"),
+        (lambda f: qho.qhmuon(0.1, beta=f), "beta"),
+    ],
+)
+def test_a_schedule_is_refused_but_for_the_learning_rate_and_weight_decay(make, name) -> None:
+    # It passed, and the first update failed inside. Scheduled as in optax:
+    # learning_rate, and qhadamw's and qhmuon's weight_decay (optax.adamw's too).
+    with pytest.raises(
+        TypeError, match=rf"^{name} must be a real number; received {name}=<function"
+    ):
+        make(_schedule)
+    x = jnp.ones((3, 3))
+    for tx in (
+        qho.qhadamw(_schedule, weight_decay=_schedule),
+        qho.qhmuon(0.1, weight_decay=_schedule),
+    ):
+        updates, _ = tx.update(x, tx.init(x), x)
+        assert np.isfinite(np.asarray(updates)).all()
+
+
 # ------------------------------------------- concrete scalars are checked as floats
 @pytest.mark.parametrize("array", [np.array, jnp.array], ids=["numpy", "jax"])
 @pytest.mark.parametrize(

@@ -223,6 +223,27 @@ def test_a_hyperparameter_array_of_several_or_no_elements_is_refused(
                 torch.testing.assert_close(after["state"][key][k], v, rtol=0, atol=0)
 
 
+def _schedule() -> float:
+    return 0.5
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda f: QHM(_params(), lr=f), "lr"),
+        (lambda f: QHM(_params(), lr=0.1, momentum=f), "momentum"),
+        (lambda f: QHAdam(_params(), lr=0.1, weight_decay=f), "weight_decay"),
+        (lambda f: QHAdamW(_params(), lr=0.1, nus=(0.7, f)), r"nus\[1\]"),
+    ],
+)
+def test_a_schedule_is_refused_as_a_non_number(make: Any, name: str) -> None:
+    # It passed, and the first step failed inside the kernels.
+    with pytest.raises(
+        TypeError, match=rf"^{name} must be a real number; received {name}=<function"
+    ):
+        make(_schedule)
+
+
 # ------------------------------------------------------------------- QHMuon
 QHMUON_CASES = [e for e in INVALID if e.applies_to("qhm")]
 
