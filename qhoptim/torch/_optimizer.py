@@ -273,9 +273,10 @@ class _CheckedGroup(NamedTuple):
         else:
             values_of = lambda g: tuple(g[k] for k in keys)  # noqa: E731
         storage = {k: group[k] for k in STORAGE_KEYS if k in group}
-        return cls(
-            group, len(group), values_of, values_of(group), group.get("state_dtype"), storage
-        )
+        # A list (betas=[0.9, 0.99]) as a copy: one changed in place
+        # (group["betas"][0] = nan) is then a change, checked again.
+        values = tuple(tuple(v) if type(v) is list else v for v in values_of(group))
+        return cls(group, len(group), values_of, values, group.get("state_dtype"), storage)
 
     def unchanged(self) -> bool:
         """Whether the group holds the values checked: each the same object
@@ -307,8 +308,14 @@ _UNKNOWN = object()
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    """Whether ``b`` is the checked value ``a``: the same object, or equal and
+    of the same type -- a pair element by element, so that ``(0.9, 0.99)``
+    replaced by ``(0.9, np.array(0.99))`` or ``(0.9, True)`` is checked again
+    (``a``: a list as checked is held as a tuple, see :meth:`_CheckedGroup.of`)."""
     if a is b:
         return True
+    if type(a) is tuple and type(b) in (tuple, list):
+        return len(a) == len(b) and all(map(_same_value, a, b))
     if type(a) is not type(b) or isinstance(a, Tensor):
         return False
     try:

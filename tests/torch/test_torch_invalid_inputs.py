@@ -223,6 +223,37 @@ def test_a_hyperparameter_array_of_several_or_no_elements_is_refused(
                 torch.testing.assert_close(after["state"][key][k], v, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("flags", [{"foreach": True}, {"foreach": False}, {"capturable": True}])
+def test_a_pair_changed_in_place_or_for_an_equal_one_is_checked_again(flags: dict) -> None:
+    # A list changed in place was the object checked, and an equal pair of
+    # other types compared equal: neither was checked again (a nan stepped
+    # the parameters to nan; an array element failed after they had moved).
+    opt = QHAdam(ps := _params(), lr=0.1, betas=[0.9, 0.99], nus=[0.7, 0.8], **flags)
+    _steps(opt, ps)
+    for key, i, bad, error, message in [
+        (
+            "betas",
+            0,
+            math.nan,
+            ValueError,
+            r"^betas\[0\] must be in \[0, 1\); received betas\[0\]=nan$",
+        ),
+        ("nus", 1, 1.5, ValueError, r"^nus\[1\] must be in \[0, 1\]; received nus\[1\]=1.5$"),
+        ("nus", 1, True, TypeError, r"^nus\[1\] must be a real number; received nus\[1\]=True$"),
+    ]:
+        before = [p.detach().clone() for p in ps]
+        good = opt.param_groups[0][key][i]
+        opt.param_groups[0][key][i] = bad
+        with pytest.raises(error, match=message):
+            opt.step()
+        for p, b in zip(ps, before, strict=True):
+            torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
+        opt.param_groups[0][key][i] = good
+    opt.param_groups[0]["betas"] = (0.9, np.array(0.99))  # equal, of another type: read as floats
+    opt.step()
+    assert all(type(x) is float for x in opt.param_groups[0]["betas"])
+
+
 def _schedule() -> float:
     return 0.5
 
