@@ -641,6 +641,9 @@ class NarrowStateOptimizer(Optimizer):
             lr = group["lr"]
             on_device = isinstance(lr, Tensor) and lr.device.type != "cpu"
             self._check_group({**group, "lr": 0.0} if on_device else group)
+            if group.get("fused"):  # set on a group whose parameters have state
+                for p in group["params"]:
+                    _fused.check_fused_device(p)
             changed.append(_GroupChange(group, _UNKNOWN if record is None else record.state_dtype))
         return changed
 
@@ -865,6 +868,10 @@ class QHOptimizer(NarrowStateOptimizer):
             validation.check_bool(group.get(name, False), name)
         for name in ("foreach", "fused"):
             validation.check_optional_bool(group.get(name), name)
+        if group.get("fused"):  # a group's own, as the defaults' (torch's wording)
+            _fused.check_fused(
+                [], foreach=group.get("foreach"), differentiable=group.get("differentiable", False)
+            )
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, as_numbers(defaults))
@@ -896,10 +903,13 @@ class QHOptimizer(NarrowStateOptimizer):
         if any(map(_IS_SPARSE, grads)):
             raise sparse_error(type(self).__name__)
         states: list[dict[str, Any] | None] = list(map(self.state.get, params))
-        if group["fused"] and not all(states):  # first steps: checked as torch checks them
-            for p, p_state in zip(params, states, strict=True):
-                if not p_state:
+        if not all(states):  # first steps: checked as where a group is made
+            new = [p for p, p_state in zip(params, states, strict=True) if not p_state]
+            if group["fused"]:  # as torch checks them
+                for p in new:
                     _fused.check_fused_device(p)
+            if group.get("state_dtype") is not None:  # one appended to the group's params
+                _state_dtype.check_params(group["state_dtype"], new)
         return Gathered(params, grads, states)
 
     def _step_group(self, group: dict[str, Any], gathered: Gathered) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -92,7 +92,14 @@ def check_state_dtype(group: dict[str, Any]) -> None:
                 f"state_dtype is not supported with {flag}=True: the step makes working "
                 "copies of the state and draws its rounding noise on the host"
             )
-    for p in group.get("params", []):
+    check_params(dtype, group.get("params", []))
+
+
+def check_params(dtype: torch.dtype, params: Iterable[Any]) -> None:
+    """The parameters a ``state_dtype`` stores state for: real, and wider than it
+    (where a group is made, and at each new parameter's first step: one
+    appended to a group's ``params`` later)."""
+    for p in params:
         if not isinstance(p, Tensor):
             continue
         rounding.check_real(p.is_complex())

@@ -357,3 +357,67 @@ def test_an_8_bit_state_loads_only_into_a_parameter_of_its_shape(
     resumed.load_state_dict(saved)
     record = resumed.state[same]["param_shape"]
     assert record.dtype == torch.int64 and record.tolist() == [16, 16]
+
+
+# ------------------------------------------ a group's own flags, checked as the defaults'
+@pytest.mark.parametrize("cls", [QHM, QHAdam])
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("foreach", r"`fused` and `foreach` cannot be `True` together"),
+        ("differentiable", r"`fused` does not support `differentiable`"),
+    ],
+)
+def test_a_groups_fused_flag_is_refused_beside_foreach_or_differentiable(
+    cls: type, flag: str, message: str
+) -> None:
+    # Only the defaults were checked: a group's fused=True beside
+    # differentiable=True stepped without recording autograd, silently.
+    opt = cls(_params(), lr=0.1)
+    with pytest.raises(RuntimeError, match=message):
+        opt.add_param_group({"params": _params(1), "fused": True, flag: True})
+    assert len(opt.param_groups) == 1
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = _snapshot(opt, ps)
+    opt.param_groups[0].update({"fused": True, flag: True})  # set later: refused at the step
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    _assert_unchanged(opt, ps, before)
+
+
+@pytest.mark.parametrize("cls", [QHM, QHAdam])
+def test_fused_set_on_a_group_of_complex_parameters_is_refused_before_any_group_steps(
+    cls: type,
+) -> None:
+    # Their state existed, so the first-step check of fused parameters did not
+    # run: the kernel failed after the first group had moved.
+    real, cplx = _params(1)[0], torch.nn.Parameter(torch.ones(3, dtype=torch.complex64))
+    opt = cls([{"params": [real]}, {"params": [cplx]}], lr=0.1)
+    for p in (real, cplx):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = _snapshot(opt, [real, cplx])
+    opt.param_groups[1]["fused"] = True
+    with pytest.raises(RuntimeError, match=r"`fused=True` requires all the params to be floating"):
+        opt.step()
+    _assert_unchanged(opt, [real, cplx], before)
+
+
+@pytest.mark.parametrize("cls", [QHM, QHAdam])
+def test_a_complex_parameter_appended_to_a_narrow_state_group_is_refused(cls: type) -> None:
+    # add_param_group refuses it; appended to a group's params, QHM stepped it
+    # with a real bfloat16 buffer (its imaginary momentum dropped) and QHAdam
+    # failed after the first group had moved.
+    ps = _params(2)
+    opt = cls([{"params": ps[:1]}, {"params": ps[1:], "state_dtype": torch.bfloat16}], lr=0.1)
+    cplx = torch.nn.Parameter(torch.ones(3, dtype=torch.complex64))
+    opt.param_groups[1]["params"].append(cplx)
+    for p in (*ps, cplx):
+        p.grad = torch.ones_like(p)
+    before = _snapshot(opt, [*ps, cplx])
+    with pytest.raises(ValueError, match="state_dtype applies to real parameters"):
+        opt.step()
+    _assert_unchanged(opt, [*ps, cplx], before)
