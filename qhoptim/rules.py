@@ -612,6 +612,7 @@ def newton_schulz(
     steps: int = MUON_NS_STEPS,
     eps: float = MUON_EPS,
     norm_guard: str = "max",
+    narrow: Callable[[Array], Array] | None = None,
 ) -> Array:
     r"""Muon's orthogonalization of a ``rows x columns`` matrix: ``steps`` quintic
     Newton-Schulz iterations with ``coefficients`` :math:`(a, b, c)`.
@@ -630,7 +631,10 @@ def newton_schulz(
     default coefficients: Muon's "approximately orthogonal"). The dtype is the
     caller's: frameworks run it in bfloat16 or float32, the reference in float64.
     ``norm_guard`` (:data:`MUON_NORM_GUARDS`) says how ``eps`` guards the norm,
-    as the host framework's Muon does.
+    as the host framework's Muon does. ``narrow``: a cast to float16 (whose
+    range ends at 65504), applied after the normalization, which then runs in
+    the update's wider dtype: in float16 a norm past 256 squared overflows and
+    a tiny one underflows, and the step would be zero or NaN.
     """
     a, b, c = coefficients
     tall = rows > columns
@@ -642,6 +646,8 @@ def newton_schulz(
         x = x / (norm + eps)
     else:
         validation.check_choice(norm_guard, "norm_guard", MUON_NORM_GUARDS)
+    if narrow is not None:
+        x = narrow(x)
 
     def iteration(x: Array) -> Array:
         gram = ops.matmul(x, ops.transpose(x))

@@ -71,6 +71,25 @@ def test_newton_schulz_of_a_transpose_is_the_transpose() -> None:
     np.testing.assert_array_equal(tall, wide.T)
 
 
+@pytest.mark.parametrize("scale", [1e-8, 1e3])
+def test_newton_schulz_narrowed_to_float16_after_the_norm_keeps_the_step(scale: float) -> None:
+    # Cast to float16 first, the squared norm of a 64 x 64 matrix overflows
+    # float16 (65504) at scale 1e3 and underflows at 1e-8: a zero or NaN step.
+    u = np.random.default_rng(0).standard_normal((64, 64)) * scale
+    want = rules.newton_schulz(u, rows=64, columns=64, ops=reference.NUMPY_MATRIX_OPS)
+    got = rules.newton_schulz(
+        u.astype(np.float32), rows=64, columns=64, ops=reference.NUMPY_MATRIX_OPS,
+        narrow=lambda x: x.astype(np.float16),
+    )  # fmt: skip
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float64), want, atol=2e-2 * np.abs(want).max())
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        first = rules.newton_schulz(
+            u.astype(np.float16), rows=64, columns=64, ops=reference.NUMPY_MATRIX_OPS
+        )
+    assert not np.allclose(first.astype(np.float64), want, atol=2e-2 * np.abs(want).max())
+
+
 def test_newton_schulz_of_zero_is_zero_and_zero_steps_normalize_only() -> None:
     ops = reference.NUMPY_MATRIX_OPS
     zero = rules.newton_schulz(np.zeros((3, 4)), rows=3, columns=4, ops=ops)

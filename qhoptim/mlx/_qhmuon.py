@@ -158,12 +158,17 @@ class QHMuon(_NarrowState):
             stepped: mx.array = rules.apply_update(parameter, direction, lr)
             return stepped
         matrix = direction.reshape(direction.shape[0], -1)
-        if self.ns_dtype is not None:
+        # float16 is normalized in float32 first (rules.newton_schulz's ``narrow``).
+        half = (matrix.dtype if self.ns_dtype is None else self.ns_dtype) == mx.float16
+        if half:
+            matrix = matrix.astype(mx.float32)
+        elif self.ns_dtype is not None:
             matrix = matrix.astype(self.ns_dtype)
         rows, columns = matrix.shape
         orthogonal = rules.newton_schulz(
-            matrix, rows=rows, columns=columns, ops=_MLX_MATRIX_OPS,
-            steps=self.ns_steps, norm_guard="add",
+            matrix, rows=rows, columns=columns,
+            ops=_MLX_MATRIX_OPS, steps=self.ns_steps, norm_guard="add",
+            narrow=(lambda x: x.astype(mx.float16)) if half else None,
         )  # fmt: skip
         update = orthogonal.reshape(direction.shape).astype(direction.dtype)
         ratio = rules.muon_lr_ratio(None, direction.shape[-2], direction.shape[-1])

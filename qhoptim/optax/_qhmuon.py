@@ -57,6 +57,10 @@ def _repeat(count: Any, f: Callable[[jax.Array], jax.Array], x: jax.Array) -> ja
     return looped
 
 
+def _to_float16(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float16)
+
+
 _JAX_MATRIX_OPS = rules.MatrixOps(
     matmul=jnp.matmul,
     matmul_add=_matmul_add,
@@ -169,12 +173,17 @@ def scale_by_qhmuon(
                 g, b, nu=nu, grad_correction=grad_correction.astype(g.dtype),
                 buffer_correction=buffer_correction.astype(b.dtype),
             )  # fmt: skip
-            if ns_dtype is not None:
+            # float16 is normalized in float32 first (rules.newton_schulz's ``narrow``).
+            half = jnp.dtype(direction.dtype if ns_dtype is None else ns_dtype) == jnp.float16
+            if half:
+                direction = direction.astype(jnp.float32)
+            elif ns_dtype is not None:
                 direction = direction.astype(ns_dtype)
             rows, columns = direction.shape
             orthogonal = rules.newton_schulz(
                 direction, rows=rows, columns=columns, ops=_JAX_MATRIX_OPS,
                 coefficients=coefficients, steps=ns_steps, eps=eps, norm_guard="add",
+                narrow=_to_float16 if half else None,
             )  # fmt: skip
             new_updates.append(orthogonal.astype(g.dtype))
             if state_dtype is not None:

@@ -252,14 +252,16 @@ def qhmuon(
         # (1 - nu) * grad + nu * buffer, as torch's Muon forms its Nesterov mix
         direction = grad.lerp(buffer, c.buffer_weight)
         rows, columns = param.shape
+        half = ns_dtype == torch.float16  # normalized in float32 first (rules.newton_schulz)
         update = rules.newton_schulz(
-            direction.to(ns_dtype),
+            direction.float() if half else direction.to(ns_dtype),
             rows=rows,
             columns=columns,
             ops=_TORCH_MATRIX_OPS,
             coefficients=ns_coefficients,
             steps=ns_steps,
             eps=eps,
+            narrow=torch.Tensor.half if half else None,
         )
         param.mul_(rules.decoupled_decay_factor(lr, weight_decay))
         param.add_(update, alpha=-lr * rules.muon_lr_ratio(adjust_lr_fn, rows, columns))

@@ -159,3 +159,20 @@ def test_bad_state_settings_are_named() -> None:
         QHMuon(0.02, state_dtype=mx.int8)
     with pytest.raises(TypeError, match="stochastic_rounding must be None or a bool"):
         QHMuon(0.02, state_dtype=mx.bfloat16, stochastic_rounding=1)
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e3])
+def test_a_float16_orthogonalization_keeps_the_step_of_small_and_large_gradients(
+    scale: float,
+) -> None:
+    # Cast to float16 before the norm, the step was zero (or NaN): the squared
+    # norm overflowed float16, or the entries underflowed.
+    g = mx.array(np.random.default_rng(0).standard_normal((64, 64)) * scale, dtype=mx.float32)
+
+    def first_update(ns_dtype: Any) -> np.ndarray:
+        opt = QHMuon(1.0, ns_dtype=ns_dtype)
+        stepped = opt.apply_gradients({"w": g}, {"w": mx.zeros((64, 64))})
+        return np.array(stepped["w"], dtype=np.float64)
+
+    want, got = first_update(mx.float32), first_update(mx.float16)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max())

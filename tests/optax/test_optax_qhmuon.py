@@ -239,3 +239,20 @@ def test_stochastic_rounding_is_the_narrow_buffers_default() -> None:
 def test_bad_state_settings_are_named(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         qho.scale_by_qhmuon(**kwargs)
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e3])
+def test_a_float16_orthogonalization_keeps_the_step_of_small_and_large_gradients(
+    scale: float,
+) -> None:
+    # Cast to float16 before the norm, the step was zero (or NaN): the squared
+    # norm overflowed float16, or the entries underflowed.
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)) * scale, jnp.float32)
+
+    def first_update(ns_dtype: Any) -> np.ndarray:
+        tx = qho.qhmuon(1.0, ns_dtype=ns_dtype)
+        updates, _ = tx.update(g, tx.init(g), g)
+        return np.asarray(updates, np.float64)
+
+    want, got = first_update(jnp.float32), first_update(jnp.float16)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max())

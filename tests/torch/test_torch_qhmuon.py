@@ -377,3 +377,19 @@ def test_bad_state_settings_are_named(settings: dict[str, Any], message: str) ->
 def test_a_state_dtype_wider_than_the_parameters_is_refused() -> None:
     with pytest.raises(ValueError, match="state_dtype"):
         QHMuon(_params(torch.bfloat16), lr=0.02, state_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("scale", [1e-8, 1e3])
+def test_a_float16_orthogonalization_keeps_the_step_of_small_and_large_gradients(
+    scale: float,
+) -> None:
+    # Cast to float16 before the norm, the step was zero (or NaN): the squared
+    # norm overflowed float16, or the entries underflowed.
+    def first_update(ns_dtype: torch.dtype) -> torch.Tensor:
+        p = torch.nn.Parameter(torch.zeros(64, 64))
+        p.grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * scale
+        QHMuon([p], lr=1.0, ns_dtype=ns_dtype).step()
+        return p.detach()
+
+    want, got = first_update(torch.float32), first_update(torch.float16)
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-2 * want.abs().max().item())
