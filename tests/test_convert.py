@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import random
 import re
 import subprocess
 import sys
@@ -821,6 +822,55 @@ def test_aggmo_sums_that_overflow_in_between() -> None:
     assert convert.from_aggmo([1e308, 1e308], [0.0, 0.0]) == QHMParams(1e308, 0.0, 0.0)
     # lr / (1 - beta) terms of opposite signs, each inf: the exact sum is finite.
     assert convert.aggmo_effective_lr([1e308, -1e308], [0.999, 0.999]) == 0.0
+
+
+_LARGEST = Fraction(sys.float_info.max)
+#: Each conversion in exact arithmetic (the paper's appendix C formulas):
+#: (lr, nu, momentum) from the arguments.
+_EXACT = {
+    "from_accsgd": lambda d, k, x, e: (
+        d * e * (1 + x) / (1 + e),
+        (e * x - 1) / (e * (1 + x)),
+        (k - e * e * x) / (k + e * x),
+    ),
+    "from_an_pid": lambda r, kd, b: (r / (1 - b), 1 + kd * (1 - b) ** 2 / (r * b), b),
+    "from_synthesized_nesterov": lambda a, b1, b2: (
+        (a / (1 - b1), 1 - (1 - b1) * b2 / b1, b1) if b1 else (a, Fraction(0), Fraction(0))
+    ),
+    "from_momentum": lambda lr, mu: (lr / (1 - mu), Fraction(1), mu),
+    "from_pid": lambda kp, ki, kd: (ki, kp * kp / (kd * ki), kd / (kd - kp)),
+}
+
+
+@pytest.mark.parametrize("name", list(_EXACT))
+def test_a_result_is_refused_as_unrepresentable_only_when_it_is(name: str) -> None:
+    # from_accsgd refused delta=1e308 as overflowing where its lr, 1.647e308,
+    # is finite: each refusal for float64's range is held to the exact values.
+    rng = random.Random(0)
+    scales = [5e-324, 1e-310, 1e-170, 1e-10, 0.3, 0.7, 0.9, 0.999, 1 - 2**-53, 2.0, 10.0]
+    scales += [1e10, 1e154, 1e200, 1e300, 1e308, 1.7e308]
+    fn, exact = getattr(convert, name), _EXACT[name]
+    arity = len(inspect.signature(exact).parameters)
+    for _ in range(3000):
+        args = [
+            rng.choice(scales) * rng.choice([1, 1, -1])
+            if rng.random() < 0.7
+            else rng.uniform(-5, 5)
+            for _ in range(arity)
+        ]
+        try:
+            fn(*args)
+            continue
+        except ValueError as error:
+            message = str(error)
+        if not re.search("overflows|not representable|rounds to 1", message):
+            continue
+        try:
+            lr, nu, momentum = exact(*map(Fraction, args))
+        except ZeroDivisionError:
+            continue
+        representable = all(abs(v) <= _LARGEST for v in (lr, nu, momentum))
+        assert not (representable and float(momentum) < 1.0), (args, message)
 
 
 _EXTREMES = [0.0, -0.0, 5e-324, -5e-324, 1e-170, -1e-170, 0.5, 0.9, 1 - 2**-53, 1.0]
