@@ -207,6 +207,25 @@ inline __m512 kept(__m512 v) {
   return v;
 }
 
+// Whether the `len` codes `c` hold a 0 (level 0) or the non-finite code
+// (`special`): checked once per block, 64 codes a comparison, so that a block
+// without them (nearly all, past the first step) decodes with neither test.
+inline bool has_zero_or_special_avx512(const uint8_t* __restrict__ c, int len, int special) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i special64 = _mm512_set1_epi8(static_cast<char>(special));
+  __mmask64 found = 0;
+  int i = 0;
+  for (; i + 64 <= len; i += 64) {
+    const __m512i codes = _mm512_loadu_si512(c + i);
+    found |= _mm512_cmpeq_epi8_mask(codes, zero) | _mm512_cmpeq_epi8_mask(codes, special64);
+  }
+  bool any = found != 0;
+  for (; i < len; ++i) {
+    any |= c[i] == 0 || c[i] == special;
+  }
+  return any;
+}
+
 template <bool SIGNED>
 inline int decode_values_avx512(float* __restrict__ x, const uint8_t* __restrict__ c, int len,
                                 float scale, const Ladder& ladder) {
@@ -214,6 +233,26 @@ inline int decode_values_avx512(float* __restrict__ x, const uint8_t* __restrict
   const __m512i zero = _mm512_setzero_si512();
   const __m512 scale16 = _mm512_set1_ps(scale);
   int i = 0;
+  if (!has_zero_or_special_avx512(c, len, SIGNED ? kSignedNonFinite : kUnsignedInfinite)) {
+    // Every level is one of the ladder's (k > 0) and finite: the level's bits
+    // times the scale, a signed code's bit 7 moved to the float's sign (the
+    // same bits as the loop below, which takes every code).
+    const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    for (; i + 16 <= len; i += 16) {
+      const __m512i code =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+      const __m512i k = SIGNED ? _mm512_and_si512(code, _mm512_set1_epi32(127)) : code;
+      const __m512 level =
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, bias), kRungShift));
+      __m512 value = _mm512_mul_ps(level, scale16);
+      if constexpr (SIGNED) {  // value ^ (bit 7 of the code, at bit 31)
+        value = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+            _mm512_castps_si512(value), _mm512_slli_epi32(code, 24), sign_bit, 0x78));
+      }
+      _mm512_storeu_ps(x + i, value);
+    }
+    return i;
+  }
   for (; i + 16 <= len; i += 16) {
     const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
     const __m512i k = SIGNED ? _mm512_and_si512(code, _mm512_set1_epi32(127)) : code;
@@ -525,7 +564,11 @@ __attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, 
 // encode_values_avx2, 16 values at a time. The fast case's comparison is an
 // unsigned one of the bits under a rung, shifted to the top (b << 12), with
 // the noise times 2**16, or 2**31 to nearest: the same as FastCase's.
-template <bool SIGNED, bool STOCHASTIC>
+// PLAIN: a block whose scale is not tiny (inverse_scale <= lowest * 2**125,
+// the scale above about 2**-109), where a subnormal magnitude's ratio lies
+// below half the lowest fast level, so that the range test alone leaves it
+// to the general steps (its product can round up, but not past twice itself).
+template <bool SIGNED, bool STOCHASTIC, bool PLAIN>
 inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict__ x,
                                 uint32_t first, int len, float inverse_scale,
                                 const Ladder& ladder, uint32_t s) {
@@ -555,9 +598,11 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
     // The fast case (FastCase); the general steps for the others.
     const __m512 fast_ratio = _mm512_mul_ps(absolute, inverse);
     const __m512i fast_bits = _mm512_castps_si512(fast_ratio);
-    const __mmask16 fast = _mm512_mask_cmple_epu32_mask(
-        _mm512_cmp_ps_mask(absolute, smallest, _CMP_GE_OQ),
-        _mm512_sub_epi32(fast_bits, lowest), span);
+    const __m512i offset = _mm512_sub_epi32(fast_bits, lowest);
+    const __mmask16 fast =
+        PLAIN ? _mm512_cmple_epu32_mask(offset, span)
+              : _mm512_mask_cmple_epu32_mask(_mm512_cmp_ps_mask(absolute, smallest, _CMP_GE_OQ),
+                                             offset, span);
     if (fast != 0xFFFF) {
       encode16_general_avx512<SIGNED, STOCHASTIC>(c + i, value, key, inverse_scale, ladder, s);
       continue;
@@ -594,7 +639,12 @@ inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, 
     if (ladder.linear && after == 1.0f) {
       [[maybe_unused]] const auto start = static_cast<uint32_t>(first);
 #if defined(QHOPTIM_AVX512)
-      i = encode_values_avx512<SIGNED, STOCHASTIC>(c, x, start, len, inverse_scale, ladder, s);
+      const float lowest = ladder.lv[SIGNED ? 1 : 2];  // FastCase's
+      i = inverse_scale <= lowest * 0x1p125f
+              ? encode_values_avx512<SIGNED, STOCHASTIC, true>(c, x, start, len, inverse_scale,
+                                                                 ladder, s)
+              : encode_values_avx512<SIGNED, STOCHASTIC, false>(c, x, start, len, inverse_scale,
+                                                                  ladder, s);
 #endif
 #if defined(__AVX2__)
       i += encode_values_avx2<SIGNED, STOCHASTIC>(c + i, x + i, start + static_cast<uint32_t>(i),

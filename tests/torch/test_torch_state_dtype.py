@@ -514,6 +514,10 @@ def test_the_8_bit_kernel_and_torch_operations_encode_the_same_bytes(
     # A block within a factor 4 of float32's overflow: the reciprocal of its
     # scale would be subnormal (rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE).
     x[768:1024] *= 3e38 / x[768:1024].abs().max()
+    # A block of a tiny scale (1e-36), where a subnormal magnitude's ratio (1e-3)
+    # would be a level but for the rule's flush to zero.
+    x[1024:1280] *= 1e-36 / x[1024:1280].abs().max()
+    x[1030] = 1e-39
     results = []
     for kernel in (True, False):
         with monkeypatch.context() as patch:
