@@ -112,8 +112,9 @@ class WholeStoreLoading:
     _LAYOUT_KEY = "qhoptim_layout"
 
     def _layout(self) -> int:
-        """The slots kept per model variable: 1 (QHM), 2 (QHAdam), 3 (QHAdam
-        with amsgrad), 4 (QHMuon: Muon's or AdamW's, by variable)."""
+        """The tag of the slots kept: 1 (QHM's momentum), 2 (QHAdam's momentum
+        and velocity), 3 (and amsgrad's velocity_hat), 4 (QHMuon's: Muon's
+        momentum or AdamW's two, by variable)."""
         raise NotImplementedError
 
     def save_own_variables(self, store: Any) -> None:

@@ -66,12 +66,14 @@ def _pair(
     return checked
 
 
-def _one_number_each(**hyperparameters: Any) -> None:
+def _one_number_each(learning_rate: Any, **hyperparameters: Any) -> None:
     """The compiled steps take each hyperparameter as one Python number (as
-    MLX's own optimizers do, which accept an array and fail at the step)."""
+    MLX's own optimizers do, which accept an array and fail at the step); a
+    learning rate may also be a schedule, which is called."""
+    if not callable(learning_rate):
+        validation.check_one_number(learning_rate, "learning_rate")
     for name, value in hyperparameters.items():
-        if not (name == "learning_rate" and callable(value)):  # a schedule is called
-            validation.check_one_number(value, name)
+        validation.check_one_number(value, name)
 
 
 def _working(state: mx.array, param: mx.array) -> mx.array:
@@ -158,9 +160,7 @@ def _check_learning_rate(value: Any) -> None:
     """A ``learning_rate`` set or restored: as the constructors check it, in
     range and one number (an array of several would broadcast each parameter
     against it: a ``(2, 1)`` one made a ``(3,)`` parameter ``(2, 3)``)."""
-    validation.check_lr(value, "learning_rate")
-    if not callable(value):  # a schedule is called
-        validation.check_one_number(value, "learning_rate")
+    _one_number_each(validation.check_lr(value, "learning_rate"))
 
 
 #: MLX's ``Optimizer.learning_rate`` and ``Optimizer.state`` properties, which

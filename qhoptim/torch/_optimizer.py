@@ -188,6 +188,8 @@ differentiable_doc = r"""differentiable (bool, optional): whether autograd recor
 def lr_value(lr: Any) -> Any:
     """The value of ``lr`` to validate: a 1-element tensor is read once, here, never in ``step``."""
     if isinstance(lr, Tensor):
+        if lr.numel() == 0:  # the shared wording of an empty array
+            validation.check_one_number(lr, "lr")
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element; received a tensor of shape {lr.shape}")
         # Its Python number, so that a bool or complex tensor is refused as
@@ -195,7 +197,15 @@ def lr_value(lr: Any) -> Any:
         return lr.detach().item()
     if lr is required:
         return 0.0  # torch's add_param_group reports the missing lr, after these checks
-    return validation.check_one_number(lr, "lr")
+    return lr
+
+
+def one_number_each(hparams: dict[str, Any]) -> None:
+    """After the range checks (whose wording an array out of range takes, as
+    in every backend): each hyperparameter one number, as the steps fold them
+    into Python floats -- a NumPy array of several is refused."""
+    for name, value in hparams.items():
+        validation.check_one_number(value, name)
 
 
 def numbers_only(hparams: dict[str, Any]) -> None:
@@ -211,7 +221,6 @@ def numbers_only(hparams: dict[str, Any]) -> None:
                 f"{name} must be a Python number (only lr may be a tensor); "
                 f"received {name}={value!r}"
             )
-        validation.check_one_number(value, name)  # a NumPy array of several, as elsewhere
 
 
 # The hyperparameters a param group may hold as numbers (QHM's and QHAdam's).

@@ -22,6 +22,7 @@ from qhoptim.torch._optimizer import (
     lr_value,
     maximize_doc,
     numbers_only,
+    one_number_each,
     params_doc,
     state_dtype_doc,
 )
@@ -107,16 +108,15 @@ class QHAdam(QHOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = validation.check_pair(group["betas"], "betas")
         nu1, nu2 = validation.check_pair(group["nus"], "nus")
-        numbers_only(
-            {
-                "betas[0]": beta1,
-                "betas[1]": beta2,
-                "nus[0]": nu1,
-                "nus[1]": nu2,
-                "eps": group["eps"],
-                "weight_decay": group["weight_decay"],
-            }
-        )
+        hparams = {
+            "betas[0]": beta1,
+            "betas[1]": beta2,
+            "nus[0]": nu1,
+            "nus[1]": nu2,
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
+        }
+        numbers_only(hparams)
         validation.check_qhadam(
             lr=lr_value(group["lr"]),
             beta1=beta1,
@@ -127,6 +127,7 @@ class QHAdam(QHOptimizer):
             weight_decay=group["weight_decay"],
             names={"beta1": "betas[0]", "beta2": "betas[1]", "nu1": "nus[0]", "nu2": "nus[1]"},
         )
+        one_number_each({"lr": group["lr"], **hparams})
         self._check_switches(group)
         validation.check_bool(group.get("amsgrad", False), "amsgrad")
         _state_dtype.check_state_dtype(group)

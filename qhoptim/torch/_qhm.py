@@ -23,6 +23,7 @@ from qhoptim.torch._optimizer import (
     lr_value,
     maximize_doc,
     numbers_only,
+    one_number_each,
     params_doc,
     required,
     state_dtype_doc,
@@ -112,6 +113,7 @@ class QHM(MomentumBufferState, QHOptimizer):
         hparams = {k: group[k] for k in ("momentum", "nu", "weight_decay")}
         numbers_only(hparams)
         validation.check_qhm(lr=lr_value(group["lr"]), **hparams)
+        one_number_each({"lr": group["lr"], **hparams})
         self._check_switches(group)
         _state_dtype.check_state_dtype(group)
 

@@ -26,6 +26,7 @@ from qhoptim.torch._optimizer import (
     lr_value,
     maximize_doc,
     numbers_only,
+    one_number_each,
     params_doc,
     state_dtype_doc,
 )
@@ -132,6 +133,7 @@ class QHMuon(MomentumBufferState, NarrowStateOptimizer):
             adjust_lr_fn=group["adjust_lr_fn"],
             adjustments=rules.MUON_LR_ADJUSTMENTS,
         )
+        one_number_each({k: group[k] for k in ("lr", "weight_decay", "momentum", "nu", "eps")})
         _check_ns_dtype(group["ns_dtype"])
         validation.check_bool(group["maximize"], "maximize")
         _state_dtype.check_state_dtype(group)

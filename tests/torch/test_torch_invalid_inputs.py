@@ -254,6 +254,16 @@ def test_a_pair_changed_in_place_or_for_an_equal_one_is_checked_again(flags: dic
     assert all(type(x) is float for x in opt.param_groups[0]["betas"])
 
 
+def test_arrays_out_of_range_and_an_empty_tensor_lr_take_the_shared_wording() -> None:
+    # As every backend words them: the range first, then "one number".
+    with pytest.raises(ValueError, match=r"^momentum must be in \[0, 1\); received momentum=array"):
+        QHM(_params(), lr=0.1, momentum=np.array([0.5, 1.5]))
+    with pytest.raises(
+        ValueError, match=r"^lr must not be empty; received an array of shape \(0,\)$"
+    ):
+        QHM(_params(), lr=torch.zeros(0))
+
+
 def _schedule() -> float:
     return 0.5
 
