@@ -35,6 +35,7 @@ from qhoptim.torch._state_dict import (
 )
 from qhoptim.torch._tensors import (
     copy_count,
+    local_shard,
     runs_triton,
     scalar_dtype,
     values_of,
@@ -919,7 +920,29 @@ class QHOptimizer(NarrowStateOptimizer):
                     _fused.check_fused_device(p)
             if group.get("state_dtype") is not None:  # one appended to the group's params
                 _state_dtype.check_params(group["state_dtype"], new)
+                dtensors = [p for p in new if local_shard(p) is not p]
+                if dtensors:
+                    self._check_narrow_dtensors(group, dtensors)
         return Gathered(params, grads, states)
+
+    def _check_narrow_dtensors(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """A narrow state of DTensor parameters (FSDP2, tensor parallelism)
+        steps on their local shards in the fused kernel only; the working
+        copies and the 8-bit state's blocks are made for whole tensors, and
+        failed inside the step."""
+        dtype, stochastic = group["state_dtype"], group.get("stochastic_rounding")
+        fused = bool(group.get("fused")) or self._narrow_state_in_kernel(params, False)
+        if dtype is torch.bfloat16 and _state_dtype.in_fused_kernel(
+            fused, dtype, stochastic, params
+        ):
+            return
+        raise ValueError(
+            "a narrow state of DTensor parameters (FSDP2, tensor parallelism) steps in the "
+            "fused kernel only: float32 parameters, state_dtype=torch.bfloat16 with stochastic "
+            "rounding, on the CPU or with fused=True on CUDA; received "
+            f"state_dtype={dtype}, stochastic_rounding={stochastic}, "
+            f"a {params[0].dtype} parameter on {params[0].device}"
+        )
 
     def _step_group(self, group: dict[str, Any], gathered: Gathered) -> None:
         """Step the group's ``gathered`` parameters (at least one) by their grads."""

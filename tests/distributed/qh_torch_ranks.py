@@ -363,7 +363,40 @@ def _dtensor(rank: int, world_size: int, outdir: Path) -> dict[str, Any]:
                 out[f"{case}-{placement}"] = branch_run(
                     cls, kwargs, lambda t, p=placement: distribute_tensor(t, mesh, [p])
                 )
+    # Narrow state the fused kernel does not step on shards: refused at the
+    # step, before anything moves (it failed inside, after the count moved).
+    refused = {}
+    for label, cls, dtype, flags in NARROW_DTENSOR_REFUSED:
+        gen = torch.Generator().manual_seed(0)
+        p = nn.Parameter(
+            distribute_tensor(torch.randn(8, 4, generator=gen, dtype=dtype), mesh, [Shard(0)])
+        )
+        p.grad = distribute_tensor(torch.randn(8, 4, generator=gen, dtype=dtype), mesh, [Shard(0)])
+        opt = cls([p], lr=0.1, **flags)
+        before = p.detach().full_tensor().clone()
+        try:
+            opt.step()
+            message = ""
+        except ValueError as error:
+            message = str(error)
+        moved = not torch.equal(before, p.detach().full_tensor())
+        refused[label] = (message, moved, sorted(opt.state[p]))
+    out["narrow-refused"] = refused
     return out
+
+
+#: Narrow states of DTensor parameters that only the fused kernel steps on shards.
+NARROW_DTENSOR_REFUSED = [
+    ("QHAdam-8-bit", qht.QHAdam, torch.float32, {"state_dtype": torch.uint8}),
+    ("QHM-8-bit-loop", qht.QHM, torch.float32, {"state_dtype": torch.uint8, "foreach": False}),
+    (
+        "QHAdam-bfloat16-nearest",
+        qht.QHAdam,
+        torch.float32,
+        {"state_dtype": torch.bfloat16, "stochastic_rounding": False},
+    ),
+    ("QHM-bfloat16-of-float64", qht.QHM, torch.float64, {"state_dtype": torch.bfloat16}),
+]
 
 
 CHECKS: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {

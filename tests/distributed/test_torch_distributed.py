@@ -31,6 +31,7 @@ if not (torch.distributed.is_available() and torch.distributed.is_gloo_available
 
 from qh_torch_ranks import (  # noqa: E402
     CHECKPOINT_AT,
+    NARROW_DTENSOR_REFUSED,
     OPTIMIZERS,
     STEPS,
     WORLD_SIZE,
@@ -109,6 +110,20 @@ def test_dtensor_step_equals_plain_tensor_step(
         for g_step, w_step in zip(got, want, strict=True):
             for g, w in zip(g_step, w_step, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-14, atol=1e-15)
+
+
+def test_a_narrow_state_of_dtensors_off_the_fused_kernel_is_refused_before_anything_moves(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # 8-bit blocks and working copies are made for whole tensors: these failed
+    # inside the step (a DTensor copied into a plain tensor), after QHAdam's
+    # count had moved.
+    for result in _results(ranks, "dtensor"):
+        refused = result["narrow-refused"]
+        assert sorted(refused) == sorted(label for label, *_ in NARROW_DTENSOR_REFUSED)
+        for label, (message, moved, state_keys) in refused.items():
+            assert message.startswith("a narrow state of DTensor parameters"), (label, message)
+            assert not moved and state_keys == [], label
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
