@@ -390,11 +390,18 @@ def check_second_moment_dtype(name: str | None) -> None:
 
 
 def check_narrower(state_dtype: str, state_bytes: int, param_dtype: str, param_bytes: int) -> None:
-    """Refuse a ``state_dtype`` wider than a parameter's dtype (itemsizes in bytes)."""
+    """Refuse a ``state_dtype`` wider than a parameter's dtype (itemsizes in
+    bytes), or as wide and another (float16 beside bfloat16: such a state
+    would step in the parameters' 16 bits, where ``0.999 * v`` is ``v``)."""
     if state_bytes > param_bytes:
         raise ValueError(
             f"state_dtype={state_dtype} is wider than a parameter's dtype {param_dtype}; "
             "state_dtype stores the state in a narrower dtype"
+        )
+    if state_bytes == param_bytes and state_dtype != param_dtype:
+        raise ValueError(
+            f"state_dtype={state_dtype} is as wide as a parameter's dtype {param_dtype}; "
+            "state_dtype stores the state in a narrower dtype (or the parameters' own)"
         )
 
 

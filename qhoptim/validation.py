@@ -611,8 +611,12 @@ class CheckedAttributes:
     _CALLABLE: ClassVar[frozenset[str]] = frozenset()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__dict__:
-            if name in self._FIXED and not _same(value, self.__dict__[name]):
+        # The names assigned, kept apart from __dict__: TensorFlow's tracking
+        # skips storing a value that is the class's default (None), which
+        # would pass a later assignment off as the constructor's.
+        assigned: set[str] = self.__dict__.setdefault("_qhoptim_assigned", set())
+        if name in assigned:
+            if name in self._FIXED and not _same(value, getattr(self, name)):
                 raise ValueError(
                     f"{name} is set when the optimizer is made (its state is made in it); "
                     f"make another optimizer for another; received {name}={value!r}"
@@ -625,3 +629,4 @@ class CheckedAttributes:
             # constructor's first assignment on (a pair's check takes its elements).
             check_one_number(value, name)
         super().__setattr__(name, value)
+        assigned.add(name)

@@ -292,7 +292,7 @@ def qhmuon(
                     ns_steps,
                     beta,
                     eps,
-                    mu_dtype,
+                    mu_dtype if state_dtype is None else None,  # the buffers': state_dtype's
                     nu=nu,
                     ns_dtype=ns_dtype,
                     state_dtype=state_dtype,

@@ -198,6 +198,18 @@ def test_the_state_s_dtype_and_rounding_are_fixed_when_the_optimizer_is_made(
     )
 
 
+@pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam, qk.QHMuon])
+@pytest.mark.parametrize(
+    ("name", "value"), [("state_dtype", "bfloat16"), ("stochastic_rounding", False)]
+)
+def test_the_state_s_dtype_and_rounding_made_none_are_fixed_too(
+    cls: type, name: str, value: object
+) -> None:
+    # None is the class's default: on TensorFlow, Keras's tracking did not store
+    # the constructor's None, and a later value passed as the first assignment.
+    assert_fixed_after_construction(cls(learning_rate=0.01), name, value)
+
+
 @pytest.mark.parametrize(
     ("cls", "name"),
     [(qk.QHM, "weight_decay"), (qk.QHAdamW, "weight_decay"), (qk.QHMuon, "rms_rate")],

@@ -223,6 +223,11 @@ def test_slots_wider_than_their_variable_are_refused() -> None:
     opt = qk.QHAdam(1e-2, state_dtype="float32")
     with pytest.raises(ValueError, match=r"wider than a parameter's dtype float16"):
         opt.build([keras.Variable(np.zeros(3), dtype="float16")])
+    # As wide and another: it would step in the variable's 16 bits, where
+    # 0.999 * v rounds back to v (the average never decayed).
+    opt = qk.QHM(1e-2, state_dtype="float16")
+    with pytest.raises(ValueError, match=r"float16 is as wide as a parameter's dtype bfloat16"):
+        opt.build([keras.Variable(np.zeros(3), dtype="bfloat16")])
 
 
 @pytest.mark.parametrize("cls", [qk.QHM, qk.QHAdam])

@@ -224,6 +224,11 @@ def test_a_state_wider_than_the_parameters_is_refused() -> None:
     opt = qhmlx.QHAdam(1e-2, state_dtype=mx.float32)
     with pytest.raises(ValueError, match=r"wider than a parameter's dtype float16"):
         opt.init({"x": mx.zeros(3, dtype=mx.float16)})
+    # As wide and another: it would step in the parameters' 16 bits, where
+    # 0.999 * v rounds back to v (the average never decayed).
+    opt = qhmlx.QHM(1e-2, state_dtype=mx.float16)
+    with pytest.raises(ValueError, match=r"float16 is as wide as a parameter's dtype bfloat16"):
+        opt.init({"x": mx.zeros(3, dtype=mx.bfloat16)})
 
 
 @pytest.mark.parametrize(

@@ -241,6 +241,17 @@ def test_bad_state_settings_are_named(kwargs: dict[str, Any], match: str) -> Non
         qho.scale_by_qhmuon(**kwargs)
 
 
+def test_qhmuon_takes_a_state_dtype_for_the_matrices_and_mu_dtype_for_adamw() -> None:
+    # Both were refused as setting one buffer ("give one"); in the alias they
+    # set two: the matrices' buffers, and AdamW's first moments.
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    tx = qho.qhmuon(0.1, state_dtype=jnp.bfloat16, mu_dtype=jnp.float16)
+    state = tx.init(params)
+    _, state = tx.update(params, state, params)
+    dtypes = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(state)}
+    assert {"bfloat16", "float16"} <= dtypes
+
+
 @pytest.mark.parametrize("scale", [1e-8, 1e3])
 def test_a_float16_orthogonalization_keeps_the_step_of_small_and_large_gradients(
     scale: float,

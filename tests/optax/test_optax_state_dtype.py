@@ -224,6 +224,8 @@ def test_invalid_settings_are_refused(kwargs: dict[str, Any], error: type, match
 def test_parameters_a_narrow_state_cannot_follow_are_refused() -> None:
     with pytest.raises(ValueError, match=r"wider than a parameter's dtype bfloat16"):
         qho.qhadam(1e-2, state_dtype=jnp.float32).init(jnp.zeros(3, BF16))
+    with pytest.raises(ValueError, match=r"float16 is as wide as a parameter's dtype bfloat16"):
+        qho.qhm(1e-2, state_dtype=jnp.float16).init(jnp.zeros(3, BF16))
     with pytest.raises(ValueError, match=r"real parameters"):
         qho.qhm(0.1, state_dtype=BF16).init(jnp.zeros(3, jnp.complex64))
     with pytest.raises(ValueError, match=r"give one"):

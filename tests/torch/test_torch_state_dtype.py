@@ -921,3 +921,19 @@ def test_an_8_bit_state_of_16_bit_parameters_decays_as_in_float32(
     later = {k: v.double().mean().item() for k, v in opt.decoded_state(p).items() if k != "step"}
     for k, value in first.items():
         assert later[k] / value == pytest.approx(beta**1000, rel=0.01), k
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "state_dtype"),
+    [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)],
+    ids=["float16-of-bfloat16", "bfloat16-of-float16"],
+)
+def test_a_16_bit_state_of_other_16_bit_parameters_is_refused(
+    param_dtype: torch.dtype, state_dtype: torch.dtype
+) -> None:
+    # It stepped in the parameters' 16 bits, where 0.999 * v rounds back to v:
+    # QHM's buffer never decayed.
+    with pytest.raises(ValueError, match=r"is as wide as a parameter's dtype"):
+        QHM(
+            [torch.nn.Parameter(torch.zeros(3, dtype=param_dtype))], lr=0.1, state_dtype=state_dtype
+        )
