@@ -132,7 +132,8 @@ def check_narrow_params(params: optax.Params, state_dtype: Any) -> None:
 def zeros_state(params: optax.Params, state_dtype: Any, signed: bool) -> Any:
     """A fresh state of each of ``params`` stored in ``state_dtype``: zeros,
     or the zero 8-bit state (codes and scales 0); each keeps its parameter's
-    sharding (``zeros_like``)."""
+    sharding (``zeros_like``), an 8-bit state's scales split as its steps split
+    them (:func:`_block_spec`)."""
     if state_dtype != jnp.uint8:
         return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=state_dtype), params)
     _tell_flax_of_eight_bit()
@@ -140,9 +141,21 @@ def zeros_state(params: optax.Params, state_dtype: Any, signed: bool) -> Any:
     def zeros(p: jax.Array) -> EightBitArray:
         blocks = -(-p.size // rounding.EIGHT_BIT_BLOCK)
         scales = jnp.zeros((blocks,), jnp.float32)
+        sharding = _concrete_sharding(p)
+        if isinstance(sharding, jax.sharding.NamedSharding):  # split as the steps split them
+            spec = _block_spec(sharding.mesh, sharding.spec, tuple(p.shape))
+            scales = jax.device_put(scales, jax.sharding.NamedSharding(sharding.mesh, spec))
         return EightBitArray(jnp.zeros_like(p, dtype=jnp.uint8), scales, signed)
 
     return jax.tree.map(zeros, params)
+
+
+def _concrete_sharding(x: Any) -> Any:
+    """The sharding of a concrete array (None for a traced one: ``init`` under
+    ``jit`` leaves the placement to XLA)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return getattr(x, "sharding", None)
 
 
 def rounding_seed(count: jax.Array, index: int) -> jax.Array:

@@ -442,6 +442,36 @@ def test_narrow_state_on_a_mesh_of_explicit_axes_steps_as_on_one_device() -> Non
     assert len(lines) == 8 and all(line.endswith(" True") for line in lines), result.stdout
 
 
+INIT_SCALES = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import qhoptim.optax as qho
+mesh = Mesh(np.array(jax.devices()), ("x",))
+specs = {"w": P("x"), "d": P(None, "x")}
+params = {k: jax.device_put(jnp.ones(s, jnp.float32), NamedSharding(mesh, specs[k]))
+          for k, s in {"w": (1024, 3), "d": (2, 520)}.items()}
+state = qho.qhadam(1e-2, state_dtype=jnp.uint8).init(params)
+for k in ("w", "d"):
+    scales = state[0].mu[k].scales
+    print(k, tuple(scales.sharding.spec), len(scales.sharding.device_set))
+"""
+
+
+def test_an_8_bit_init_splits_the_scales_as_its_steps_do() -> None:
+    # They were made on one device: as the parameter's first axis where each
+    # part is whole blocks (w: 3,072 values, two parts of 6 blocks), else on
+    # every device (d, split along its second axis).
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run(
+        [sys.executable, "-c", INIT_SCALES], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:-1] == ["w ('x',) 2", "d () 2"], result.stdout
+
+
 @pytest.mark.parametrize(
     ("param_dtype", "grad_dtype", "state_dtype"),
     [
