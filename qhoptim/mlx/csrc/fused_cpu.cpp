@@ -5,7 +5,7 @@
 // three or four with a bfloat16 state (MLX does not fuse across a bit cast).
 //
 // The step's scalar coefficients come from qhoptim.rules, computed by the
-// Python side (qhoptim/mlx/__init__.py) and passed as one float32 array; the
+// Python side (qhoptim/mlx/_qhm.py, _qhadam.py) and passed as one float32 array; the
 // element-wise arithmetic is the one MLX's operations do for the unfused
 // step, in the same order and rounding (built with -ffp-contract=off: no
 // fused multiply-add), so that fused and unfused steps give the same bits.
@@ -43,8 +43,8 @@ enum class Store : int { kFloat32 = 0, kBFloat16Stochastic = 1, kBFloat16Nearest
 // Which moments QHAdam's denominator reads (qhoptim.rules.Denominator).
 enum class Denominator : int { kExpAvgSq = 0, kGrad = 1, kMix = 2 };
 
-// The layout of the coefficient array, written by qhoptim/mlx/__init__.py
-// (_fused_coefficients): the rules' weights in float32, the learning rate in
+// The layout of the coefficient array, written by qhoptim/mlx/_qhm.py and
+// _qhadam.py (_kernel_inputs): the rules' weights in float32, the learning rate in
 // the values.
 enum QHMCoefficient : int { kMomentum, kOneMinusMomentum, kGradWeight, kBufferWeight, kLr, kQHMFactor, kQHMCoupled };
 enum QHAdamCoefficient : int {
