@@ -319,6 +319,21 @@ def _load_state(ptr, offs, mask, n, SIGNED, NARROW, COMPUTE):
 
 
 @triton.jit
+def _in_dtype(x, DTYPE: tl.constexpr):
+    """``x`` (float32, or the parameters' COMPUTE dtype) in ``DTYPE``, rounded to
+    nearest, ties to even: a bfloat16 one from its float32 bits, as the GPU's
+    conversion and the C++ kernel round (Triton's interpreter truncates, which
+    moved bfloat16 parameters towards zero); a NaN keeps its quiet bit."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+        top = tl.where(x != x, bits | 0x00400000, rounded) >> 16
+        return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
 def _store_state(ptr, offs, mask, value, n, seeds, t, k, SIGNED, NARROW, DTYPE, BLOCK):
     """Store a state's new ``value``, rounded by qhoptim.rounding's rule with
     the noise of state ``k`` of tensor ``t`` -- the bits the CPU kernel and
@@ -382,7 +397,7 @@ def _store_state(ptr, offs, mask, value, n, seeds, t, k, SIGNED, NARROW, DTYPE, 
         first = tl.min(offs, axis=0) // 256 + tl.arange(0, BLOCK // 256)
         tl.store(scales + first, scale, mask=held)
     else:
-        tl.store(ptr + offs, value.to(DTYPE), mask=mask)
+        tl.store(ptr + offs, _in_dtype(value, DTYPE), mask=mask)
 
 
 @triton.jit
@@ -426,7 +441,7 @@ def _qhm_kernel(
     b = _lerp(stored, g, grad_to_buffer)
     p = p * decay + buffer_value * b + grad_value * g
     _store_state(b_ptr, offs, mask, b, n, seeds, t, 0, True, NARROW, DTYPE, BLOCK)
-    tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
+    tl.store(p_ptr + offs, _in_dtype(p, DTYPE), mask=mask)
 
 
 @triton.jit(**_JIT)
@@ -487,7 +502,7 @@ def _qhadam_kernel(
     p = p * decay + (exp_avg_value * m + grad_value * g) / (base + eps)
     _store_state(m_ptr, offs, mask, m, n, seeds, t, 0, True, NARROW, DTYPE, BLOCK)
     _store_state(s_ptr, offs, mask, s, n, seeds, t, 1, False, NARROW, DTYPE, BLOCK)
-    tl.store(p_ptr + offs, p.to(DTYPE), mask=mask)
+    tl.store(p_ptr + offs, _in_dtype(p, DTYPE), mask=mask)
 
 
 @triton.jit

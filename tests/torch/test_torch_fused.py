@@ -227,6 +227,24 @@ def test_low_precision_params_are_computed_in_float32(
         assert bool(((a.float() - b.to(dtype).float()).abs() <= ulp).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [QHM, QHAdam])
+def test_a_bfloat16_parameter_rounds_to_nearest(cls: type, device: str) -> None:
+    # Updates far below half a bfloat16 unit in the last place leave the
+    # parameters as they were when rounded to nearest; Triton's interpreter
+    # truncated, which moved each one a unit towards zero (8% of the mean
+    # magnitude after 30 such steps).
+    gen = torch.Generator().manual_seed(0)
+    value = (torch.rand(2000, generator=gen) + 0.5) * torch.sign(torch.randn(2000, generator=gen))
+    p = torch.nn.Parameter(value.to(torch.bfloat16).to(device))
+    before = p.detach().clone()
+    opt = cls([p], lr=1e-5, fused=True)
+    for _ in range(3):
+        p.grad = torch.randn(2000, generator=gen).to(device, torch.bfloat16)
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
 # ------------------------------------------------------------------ GradScaler
 @pytest.mark.parametrize("device", DEVICES)
 @_configs(2, 5, 7, AMSGRAD[0])
