@@ -762,6 +762,9 @@ def test_a_computed_bound_is_shown_with_every_digit_it_needs() -> None:
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         convert.from_accsgd(0.1, 10.0, 3.162278)
     assert validation.format_bound(1e-08) == "1e-08" and validation.format_bound(0.0) == "0"
+    # The implied momentum too: 1.0000001000000003 printed as 1 read as in range.
+    with pytest.raises(ValueError, match=r"\(momentum=1\.0000001000000003\)$"):
+        convert.from_two_state_optimizer(1.0000001, 0, 0, 0, 1, 0)
 
 
 def test_pid_momentum_rounding_to_one_names_the_gains() -> None:

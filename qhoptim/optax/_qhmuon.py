@@ -169,12 +169,15 @@ def scale_by_qhmuon(
             # A narrow buffer steps in narrow_working_dtype, then is stored narrow.
             working = buf if state_dtype is None else load(buf, narrow_working_dtype(g.dtype))
             b = rules.ewma(working, g, beta)
+            # In float32 where float16 would overflow: the first step's bias
+            # correction multiplies by 1 / (1 - beta), 20 at beta = 0.95.
+            wide = [x.astype(jnp.float32) if x.dtype == jnp.float16 else x for x in (g, b)]
             direction = rules.qhm_bias_corrected_direction(
-                g, b, nu=nu, grad_correction=grad_correction.astype(g.dtype),
-                buffer_correction=buffer_correction.astype(b.dtype),
+                wide[0], wide[1], nu=nu, grad_correction=grad_correction.astype(wide[0].dtype),
+                buffer_correction=buffer_correction.astype(wide[1].dtype),
             )  # fmt: skip
             # float16 is normalized in float32 first (rules.newton_schulz's ``narrow``).
-            half = jnp.dtype(direction.dtype if ns_dtype is None else ns_dtype) == jnp.float16
+            half = jnp.dtype(g.dtype if ns_dtype is None else ns_dtype) == jnp.float16
             if half:
                 direction = direction.astype(jnp.float32)
             elif ns_dtype is not None:

@@ -176,3 +176,21 @@ def test_a_float16_orthogonalization_keeps_the_step_of_small_and_large_gradients
 
     want, got = first_update(mx.float32), first_update(mx.float16)
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e2])
+def test_float16_parameters_orthogonalize_in_float32_first(scale: float) -> None:
+    # With ns_dtype None a float16 parameter's direction is float16: its norm
+    # zeroed (1e2: the squares' sum overflows) or NaN'd (1e-4: the squares
+    # underflow) the step where it was taken in float16.
+    g = np.random.default_rng(0).standard_normal((64, 64)) * scale
+
+    def first_update(dtype: Any) -> np.ndarray:
+        opt = QHMuon(1.0)
+        stepped = opt.apply_gradients(
+            {"w": mx.array(g, dtype=dtype)}, {"w": mx.zeros((64, 64), dtype)}
+        )
+        return np.array(stepped["w"].astype(mx.float32), dtype=np.float64)
+
+    want, got = first_update(mx.float32), first_update(mx.float16)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max())

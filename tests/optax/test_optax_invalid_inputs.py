@@ -107,6 +107,7 @@ def _schedule(count: Any) -> float:
     ("make", "name"),
     [
         (lambda f: qho.qhm(0.1, nu=f), "nu"),
+        (lambda f: qho.qhm(0.1, momentum=f), "momentum"),
         (lambda f: qho.qhadam(0.1, nu1=f), "nu1"),
         (lambda f: qho.qhadamw(0.1, b2=f), "b2"),
         (lambda f: qho.qhmuon(0.1, beta=f), "beta"),

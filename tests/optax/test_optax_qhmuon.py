@@ -267,3 +267,21 @@ def test_a_float16_orthogonalization_keeps_the_step_of_small_and_large_gradients
 
     want, got = first_update(jnp.float32), first_update(jnp.float16)
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("ns_dtype", [None, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("scale", [1e-5, 1e3])
+def test_float16_parameters_step_as_float32_ones(ns_dtype: Any, scale: float) -> None:
+    # The first step's bias correction (1 / (1 - beta) = 20) overflowed a float16
+    # direction at gradients of 1e3 (NaN), and with ns_dtype None a float16 norm
+    # zeroed or NaN'd it: formed and normalized in float32 now.
+    g = np.random.default_rng(0).standard_normal((64, 64)) * scale
+
+    def first_update(dtype: Any, ns: Any) -> np.ndarray:
+        x = jnp.asarray(g, dtype)
+        tx = qho.qhmuon(1.0, ns_dtype=ns)
+        updates, _ = tx.update(x, tx.init(x), x)
+        return np.asarray(updates, np.float64)
+
+    want, got = first_update(jnp.float32, jnp.float32), first_update(jnp.float16, ns_dtype)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max())

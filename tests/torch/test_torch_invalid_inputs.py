@@ -230,6 +230,11 @@ def test_a_pair_changed_in_place_or_for_an_equal_one_is_checked_again(flags: dic
     # the parameters to nan; an array element failed after they had moved).
     opt = QHAdam(ps := _params(), lr=0.1, betas=[0.9, 0.99], nus=[0.7, 0.8], **flags)
     _steps(opt, ps)
+    opt.param_groups[0]["betas"] = (0.9, np.array(0.99))  # equal, of another type: read as floats
+    opt.step()
+    assert all(type(x) is float for x in opt.param_groups[0]["betas"])
+    opt.param_groups[0]["betas"] = [0.9, 0.99]
+    opt.step()
     for key, i, bad, error, message in [
         (
             "betas",
@@ -249,9 +254,6 @@ def test_a_pair_changed_in_place_or_for_an_equal_one_is_checked_again(flags: dic
         for p, b in zip(ps, before, strict=True):
             torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
         opt.param_groups[0][key][i] = good
-    opt.param_groups[0]["betas"] = (0.9, np.array(0.99))  # equal, of another type: read as floats
-    opt.step()
-    assert all(type(x) is float for x in opt.param_groups[0]["betas"])
 
 
 def test_arrays_out_of_range_and_an_empty_tensor_lr_take_the_shared_wording() -> None:
@@ -262,6 +264,16 @@ def test_arrays_out_of_range_and_an_empty_tensor_lr_take_the_shared_wording() ->
         ValueError, match=r"^lr must not be empty; received an array of shape \(0,\)$"
     ):
         QHM(_params(), lr=torch.zeros(0))
+
+
+@pytest.mark.parametrize("name", ["momentum", "nu", "weight_decay"])
+def test_qhmuon_refuses_a_hyperparameter_array_of_several_elements(name: str) -> None:
+    from qhoptim.torch import QHMuon
+
+    with pytest.raises(
+        ValueError, match=rf"^{name} must be one number; received an array of shape \(2,\)$"
+    ):
+        QHMuon([torch.nn.Parameter(torch.randn(3, 2))], lr=0.1, **{name: np.array([0.1, 0.2])})
 
 
 def _schedule() -> float:

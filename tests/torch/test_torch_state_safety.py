@@ -360,7 +360,7 @@ SEEDED = {  # a narrow state: a step count for the rounding's seeds
 
 @pytest.mark.parametrize(
     "step_of",
-    [int, float, lambda n: torch.tensor([n], dtype=torch.float32)]
+    [int, float, lambda n: torch.tensor([n], dtype=torch.float64)]
     + [lambda n, d=d: torch.tensor(n, dtype=d) for d in (torch.int64, torch.float16)],
     ids=["python-int", "python-float", "shape-1", "int64", "float16"],
 )
