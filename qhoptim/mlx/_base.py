@@ -219,6 +219,14 @@ class _NarrowState(validation.CheckedAttributes, optim.Optimizer):
             {k: getattr(mx, v.name) if isinstance(v, _DtypeName) else v for k, v in state.items()}
         )
 
+    def _start(self, learning_rate: Any, **hyperparameters: Any) -> None:
+        """What every constructor does once its range checks pass: each
+        hyperparameter one number (:func:`_one_number_each`), MLX's optimizer
+        made, and the learning rate (or its schedule) kept."""
+        _one_number_each(learning_rate, **hyperparameters)
+        optim.Optimizer.__init__(self)  # type: ignore[no-untyped-call]
+        self._maybe_schedule("learning_rate", learning_rate)
+
     def _set_state_dtype(self, state_dtype: Any, stochastic_rounding: Any) -> None:
         name = _dtype_name(state_dtype)
         allowed = tuple(_dtype_name(d) or "" for d in STATE_DTYPES)

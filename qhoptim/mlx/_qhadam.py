@@ -17,7 +17,6 @@ from qhoptim.mlx._base import (
     _is_number,
     _materialized,
     _Noise,
-    _one_number_each,
     _pair,
     _QHOptimizer,
     _scaled,
@@ -163,14 +162,12 @@ class QHAdam(_QHOptimizer):
                 "nu2": "nus[1]",
             },
         )
-        _one_number_each(
-            learning_rate=learning_rate,
+        self._start(
+            learning_rate,
             **{"betas[0]": b1, "betas[1]": b2, "nus[0]": nu1, "nus[1]": nu2},
             eps=eps,
             weight_decay=weight_decay,
         )
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
         # Concrete scalars (a NumPy float, a 0-d array) as the Python floats they hold.
         b1, b2, nu1, nu2, eps = map(validation.as_float, (b1, b2, nu1, nu2, eps))
         self.betas, self.nus, self.eps, self.amsgrad = (b1, b2), (nu1, nu2), eps, amsgrad

@@ -14,7 +14,6 @@ from qhoptim.mlx._base import (
     _is_number,
     _materialized,
     _Noise,
-    _one_number_each,
     _QHOptimizer,
     _stored,
     _working,
@@ -119,11 +118,7 @@ class QHM(_QHOptimizer):
             names={"lr": "learning_rate"},
         )
         validation.check_bool(decoupled_weight_decay, "decoupled_weight_decay")
-        _one_number_each(
-            learning_rate=learning_rate, momentum=momentum, nu=nu, weight_decay=weight_decay
-        )
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
+        self._start(learning_rate, momentum=momentum, nu=nu, weight_decay=weight_decay)
         # Concrete scalars (a NumPy float, a 0-d array) as the Python floats they hold.
         self.momentum, self.nu = validation.as_float(momentum), validation.as_float(nu)
         self.weight_decay = validation.as_float(weight_decay)

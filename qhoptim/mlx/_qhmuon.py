@@ -13,7 +13,6 @@ from qhoptim.mlx._base import (
     _check_real,
     _dtype_name,
     _NarrowState,
-    _one_number_each,
     _stored,
     _working,
 )
@@ -121,11 +120,7 @@ class QHMuon(_NarrowState):
             names={"lr": "learning_rate"},
         )
         _check_ns_dtype(ns_dtype, "ns_dtype")
-        _one_number_each(
-            learning_rate=learning_rate, momentum=momentum, nu=nu, weight_decay=weight_decay
-        )
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._maybe_schedule("learning_rate", learning_rate)  # type: ignore[arg-type]
+        self._start(learning_rate, momentum=momentum, nu=nu, weight_decay=weight_decay)
         self.momentum, self.nu = validation.as_float(momentum), validation.as_float(nu)
         self.weight_decay = validation.as_float(weight_decay)
         self.ns_steps, self.ns_dtype = int(ns_steps), ns_dtype
