@@ -146,9 +146,10 @@ def run(
     for name in backends:
         adapter = adapters[name] = load_adapter(name)
         if not adapter.available():
-            raise RuntimeError(
-                f"backend {name!r} is not available: {getattr(adapter, 'reason', '')}"
+            reason = (
+                getattr(adapter, "reason", "") or "its framework (or its build) is missing here"
             )
+            raise RuntimeError(f"backend {name!r} is not available: {reason}")
         triples += [
             (name, case, dtype)
             for case in cases

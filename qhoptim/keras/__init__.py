@@ -54,6 +54,14 @@ from typing import Any
 try:
     import keras
 except ImportError as error:  # pragma: no cover - exercised where Keras is absent
+    if error.name is not None and error.name.split(".")[0] not in ("keras", "qhoptim"):
+        # Keras is installed; the framework of its backend is not (Keras takes
+        # TensorFlow unless KERAS_BACKEND or keras.json names another).
+        raise ImportError(
+            f"qhoptim.keras: Keras is installed, but its backend needs {error.name}, which is "
+            "not; set KERAS_BACKEND to an installed framework (jax, torch or tensorflow) "
+            f"or install {error.name}."
+        ) from error
     raise ImportError(
         "qhoptim.keras needs Keras 3, which is not installed. Install it with "
         '`pip install "qhoptim[tensorflow]"` (Keras on TensorFlow), or `pip install keras` '

@@ -412,3 +412,25 @@ def test_zero_argument_callable_hyperparameters_step_as_their_values(make: Any) 
             opt.apply([keras.ops.ones(6) * (t + 1)], [variable])
         results.append(keras.ops.convert_to_numpy(variable))
     np.testing.assert_array_equal(results[1], results[0])
+
+
+_MISSING_BACKEND = next(
+    (b for b in ("tensorflow", "jax", "torch") if importlib.util.find_spec(b) is None), None
+)
+
+
+@pytest.mark.skipif(_MISSING_BACKEND is None, reason="every Keras backend's framework is here")
+def test_a_keras_backend_whose_framework_is_missing_is_named_in_the_import_error() -> None:
+    # Keras takes TensorFlow unless told otherwise: beside JAX alone, the error
+    # said Keras was not installed, and installing it changed nothing.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND=str(_MISSING_BACKEND))
+    done = subprocess.run(
+        [sys.executable, "-c", "import qhoptim.keras"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode != 0
+    assert "Keras is installed, but its backend needs" in done.stderr, done.stderr[-2000:]
+    assert "set KERAS_BACKEND" in done.stderr
