@@ -575,3 +575,25 @@ def test_default_implementation(cls, multi) -> None:
         with mock.patch.object(module, multi) as patched:
             cls(plain, lr=0.1, **kwargs).step()
         patched.assert_not_called()
+
+
+def test_qhoptim_1_1_0_module_paths_import_and_unpickle() -> None:
+    # 1.1.0's classes lived in qhoptim/pyt/qhm.py and qhadam.py: imports of
+    # those modules, and pickles naming the classes there, failed.
+    import pickle
+
+    import qhoptim.pyt as pyt
+    from qhoptim.pyt.qhadam import QHAdam as QHAdam110
+    from qhoptim.pyt.qhadam import QHAdamW as QHAdamW110
+    from qhoptim.pyt.qhm import QHM as QHM110
+
+    assert (QHM110, QHAdam110, QHAdamW110) == (pyt.QHM, pyt.QHAdam, pyt.QHAdamW)
+    opt = pyt.QHM([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9, nu=0.7)
+    module = pyt.QHM.__module__
+    try:
+        pyt.QHM.__module__ = "qhoptim.pyt.qhm"  # as 1.1.0 pickled it
+        blob = pickle.dumps(opt)
+    finally:
+        pyt.QHM.__module__ = module
+    assert b"qhoptim.pyt.qhm" in blob
+    assert type(pickle.loads(blob)) is pyt.QHM
