@@ -65,6 +65,7 @@ import optax  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
 import qhoptim.optax as qho  # noqa: E402
+from benchmarks import positive_int  # noqa: E402
 from benchmarks.sweep import _progress, init_layers, load_digits  # noqa: E402
 from conformance.sources import AggMo  # noqa: E402
 from qhoptim.convert import aggmo_effective_lr  # noqa: E402
@@ -404,9 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="one discount set, 2 lrs, 1 seed, 3 epochs"
     )
-    parser.add_argument("--epochs", type=int, default=None, help="default 300 (quick: 3)")
+    parser.add_argument("--epochs", type=positive_int, default=None, help="default 300 (quick: 3)")
     parser.add_argument("--sweep-seeds", type=int, default=None, help="default 3 (quick: 1)")
-    parser.add_argument("--seeds", type=int, default=None, help="step 2; default 15 (quick: 1)")
+    parser.add_argument(
+        "--seeds", type=positive_int, default=None, help="step 2; default 15 (quick: 1)"
+    )
     parser.add_argument(
         "--lrs", type=float, nargs="+", default=None, help="AggMo's lr grid (step 1)"
     )

@@ -184,6 +184,7 @@ def main() -> None:
     header = f"{'backend':<12}{'params':<10}{'optimizer':<16}{'ms':>9}{'baseline':>14}{'ms':>9}"
     print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / Keras baseline\n")
     print(header + f"{'ratio':>8}")
+    failed: list[str] = []
     for backend in args.backends:
         env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT))
         narrow = ["--state-dtype", args.state_dtype] if args.state_dtype else []
@@ -196,6 +197,7 @@ def main() -> None:
         )
         if proc.returncode != 0:
             print(f"{backend}: failed\n{proc.stderr[-2000:]}")
+            failed.append(backend)
             continue
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         versions.append(out["versions"])
@@ -212,6 +214,8 @@ def main() -> None:
                         f"{name:>14}{ms[name]:>9.2f}{ms[narrow_name] / ms[name]:>8.2f}"
                     )
     print("\n" + "; ".join(versions))
+    if failed:  # noted above; the exit status says so too
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

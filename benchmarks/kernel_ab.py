@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import positive_int
 from benchmarks.shapes import RESNET18
 from benchmarks.state_dtype import SETTINGS
 from qhoptim.torch import _fused
@@ -91,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=positive_int, default=9)
     parser.add_argument("--states", nargs="+", default=list(STATES), choices=list(STATES))
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"old: {args.old}\nnew: {args.new}\n{args.threads} threads, median of {args.rounds}")

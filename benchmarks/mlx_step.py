@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 import qhoptim.mlx as qhmlx
+from benchmarks import positive_int
 from benchmarks.shapes import SUITES
 from qhoptim.mlx import _extension
 
@@ -135,7 +136,7 @@ def bench(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--repeats", type=positive_int, default=40)
     parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
     parser.add_argument("--state-dtype", default=None, help="also time state_dtype=this")
     args = parser.parse_args()

@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import qhoptim.optax as qho  # noqa: E402
+from benchmarks import positive_int  # noqa: E402
 from benchmarks.sweep import init_layers, load_digits, logits_fn  # noqa: E402
 
 HIDDEN = (128, 128)
@@ -220,8 +221,10 @@ def summary(out: dict[str, Any], config: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 lrs, 1+1 seeds, 2 epochs")
-    parser.add_argument("--epochs", type=int, default=None, help="default 40 (quick: 2)")
-    parser.add_argument("--seeds", type=int, default=None, help="evaluation seeds; default 8")
+    parser.add_argument("--epochs", type=positive_int, default=None, help="default 40 (quick: 2)")
+    parser.add_argument(
+        "--seeds", type=positive_int, default=None, help="evaluation seeds; default 8"
+    )
     parser.add_argument("--lrs", type=float, nargs="+", default=None)
     parser.add_argument("--out", type=Path, default=Path("artifacts/muon"))
     args = parser.parse_args(argv)

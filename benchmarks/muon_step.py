@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import positive_int
+
 WIDTH, BLOCKS = 128, 4
 # (fan_out, fan_in) of each matrix: attention's q, k, v, o and the MLP's two.
 MATRICES = [(WIDTH, WIDTH)] * 4 + [(4 * WIDTH, WIDTH), (WIDTH, 4 * WIDTH)]
@@ -190,7 +192,7 @@ FRAMEWORKS = {"torch": torch_steps, "optax": optax_steps, "mlx": mlx_steps, "ker
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.muon_step", description=__doc__)
     parser.add_argument("--framework", choices=sorted(FRAMEWORKS), required=True)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=positive_int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="torch only: cpu or cuda")
     args = parser.parse_args(argv)
@@ -204,8 +206,9 @@ def main(argv: list[str] | None = None) -> None:
         label = f"keras ({keras.backend.backend()} backend)"
     print(
         f"### {label}: {len(SHAPES)} matrices ({values:,} values), median of "
-        f"{args.steps} interleaved steps after {args.warmup}; {args.device}, {platform.machine()}, "
-        f"{platform.system()}"
+        f"{args.steps} interleaved steps after {args.warmup}; "
+        f"{args.device if args.framework == 'torch' else 'its default device'}, "
+        f"{platform.machine()}, {platform.system()}"
     )
     for name, seconds in medians.items():
         print(f"{name:7s} {seconds * 1e3:9.2f} ms")

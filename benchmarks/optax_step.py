@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 import qhoptim.optax as qho
+from benchmarks import positive_float, positive_int
 from benchmarks.shapes import SUITES
 
 PAIRS = {
@@ -112,9 +113,9 @@ def flax_layout(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--repeats", type=positive_int, default=40)
     parser.add_argument("--scale", action="store_true", help="one flat tensor per size")
-    parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 1e8])
+    parser.add_argument("--sizes", nargs="+", type=positive_float, default=[1e6, 1e7, 1e8])
     parser.add_argument("--state-dtype", default=None, help="also time state_dtype=this")
     parser.add_argument(
         "--layout",
@@ -126,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     suites = SUITES if args.layout == "torch" else {k: flax_layout(v) for k, v in SUITES.items()}
     if args.scale:
-        suites = {f"{int(n):.0e}": [(int(n),)] for n in args.sizes}
+        suites = {f"{int(n):,}": [(int(n),)] for n in args.sizes}
     print(f"jax {jax.__version__}, optax {optax.__version__}, device {jax.devices()[0]}")
     print(f"layout of the kernels: {args.layout}")
     print(f"median of {args.repeats} steps, ms/step; ratio = qhoptim / optax baseline\n")

@@ -324,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="default 3 (quick: 1)")
     parser.add_argument("--out", type=Path, default=Path("artifacts/sweep"))
     args = parser.parse_args(argv)
+    for name in ("epochs", "seeds"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1; received {getattr(args, name)}")
     epochs = args.epochs or (3 if args.quick else 30)
     seeds = args.seeds or (1 if args.quick else 3)
     grid_nu, grid_beta = (QUICK_NU, QUICK_BETA) if args.quick else (GRID_NU, GRID_BETA)
