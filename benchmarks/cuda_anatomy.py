@@ -27,7 +27,12 @@ from typing import Any
 import torch
 
 from benchmarks.shapes import RESNET18, SMALL
-from qhoptim.torch import QHM, QHAdam, _triton
+from qhoptim.torch import QHM, QHAdam
+
+try:
+    from qhoptim.torch import _triton
+except ImportError as error:  # run as a script: say what it needs, not a traceback
+    sys.exit(f"cuda_anatomy needs Triton and a CUDA GPU (torch's CUDA build ships Triton): {error}")
 
 SETS = {
     "resnet18": RESNET18,
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warps", nargs="+", type=int, default=[_triton._NUM_WARPS])
     parser.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False here)")
     sgd = {"lr": 0.1, "momentum": 0.9, "nesterov": True}
     torch_makers = {
         "torch SGD-nesterov fused": lambda p: torch.optim.SGD(p, **sgd, fused=True),

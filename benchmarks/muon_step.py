@@ -196,6 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="torch only: cpu or cuda")
     args = parser.parse_args(argv)
+    if args.framework == "torch" and args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False here)")
     steps = torch_steps(args.device) if args.framework == "torch" else FRAMEWORKS[args.framework]()
     medians = _interleaved(steps, args.steps, args.warmup)
     values = sum(a * b for a, b in SHAPES)

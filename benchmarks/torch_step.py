@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         "--host-only", action="store_true", help="the fused CUDA step's host work, on CPU"
     )
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU (torch.cuda.is_available() is False here)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
