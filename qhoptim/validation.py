@@ -611,6 +611,10 @@ class CheckedAttributes:
     _CALLABLE: ClassVar[frozenset[str]] = frozenset()
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._CHECKS and name not in self._FIXED:
+            # The steps' own attributes (set on every step): nothing to check or record.
+            super().__setattr__(name, value)
+            return
         # The names assigned, kept apart from __dict__: TensorFlow's tracking
         # skips storing a value that is the class's default (None), which
         # would pass a later assignment off as the constructor's.
