@@ -69,6 +69,7 @@ __all__ = [
     "eight_bit_level_bits",
     "eight_bit_levels",
     "eight_bit_levels_around",
+    "eight_bit_noise_source",
     "eight_bit_rung_offset",
     "eight_bit_value",
     "index_spread",
@@ -192,10 +193,12 @@ def rounding_seed_of_spread(mixed_step: Any, spread: Any, bits: Bits = PYTHON) -
     return mix32(mixed_step ^ spread, bits)
 
 
-def noise16(positions: Any, seed: Any, bits: Bits = PYTHON) -> Any:
-    """The 16 random bits of the elements at flat ``positions`` under ``seed``."""
-    x = bits.wrap(positions * bits.const(POSITION_MULTIPLIER)) ^ seed
-    return mix32(x, bits) & bits.const(0xFFFF)
+def noise16(positions: Any, seed: Any, bits: Bits = PYTHON, high: bool = False) -> Any:
+    """The 16 random bits of the elements at flat ``positions`` under ``seed``:
+    the low half of their hash, or with ``high`` its high half (an 8-bit
+    second moment's, :func:`eight_bit_noise_source`)."""
+    hashed = mix32(bits.wrap(positions * bits.const(POSITION_MULTIPLIER)) ^ seed, bits)
+    return bits.shift(hashed, 16) if high else hashed & bits.const(0xFFFF)
 
 
 def is_nan_bits(float32_bits: Any, bits: Bits = PYTHON) -> Any:
@@ -259,6 +262,20 @@ EIGHT_BIT_PER_OCTAVE = 8
 #: its block's scale -- its largest *finite* magnitude -- and so the block's
 #: other values alone.
 EIGHT_BIT_NON_FINITE = {True: 128, False: 1}
+
+
+def eight_bit_noise_source(k: int) -> tuple[int, bool]:
+    """The state whose seed an 8-bit state ``k`` of a parameter (as in
+    :func:`state_index`) draws its noise from, and whether from the high half
+    of that hash (:func:`noise16`): QHAdam's second moment (``k = 1``) takes
+    the high half of its first moment's hash at each position, ``(0, True)``;
+    every other state the low half of its own, ``(k, False)``.
+
+    One hash per value then rounds both moments: the hash is the costliest
+    part of an 8-bit encoding, and its halves are independent bits. (A
+    bfloat16 state draws the low half of its own hash, :func:`noise16`.)
+    """
+    return (0, True) if k == 1 else (k, False)
 
 
 def eight_bit_levels(signed: bool) -> list[float]:
@@ -453,12 +470,14 @@ def stochastic_round_reference(values: Any, step: int, index: int) -> Any:
 
 
 def eight_bit_encode_reference(
-    values: Any, signed: bool, seed: int, stochastic: bool, start: int = 0
+    values: Any, signed: bool, seed: int, stochastic: bool, start: int = 0, high: bool = False
 ) -> tuple[Any, Any]:
     """The 8-bit state (NumPy codes, uint8, and block scales, float32) that
     ``values`` (read as float32, flattened) are stored as, with the noise of
-    seed ``seed`` for the elements at positions ``start ..`` (or to nearest):
-    the NumPy statement of the rule every backend's tests compare with.
+    seed ``seed`` for the elements at positions ``start ..`` (the high half
+    of its hash with ``high``: :func:`eight_bit_noise_source`), or to
+    nearest: the NumPy statement of the rule every backend's tests compare
+    with.
 
     Each block of :data:`EIGHT_BIT_BLOCK` values is scaled by its largest
     finite magnitude: a value's ``ratio`` is its magnitude times the float32
@@ -499,7 +518,8 @@ def eight_bit_encode_reference(
     if stochastic:
         u32 = Bits(const=np.uint32, select=np.where)
         positions = np.arange(start, start + n, dtype=np.uint32)  # below 2**32
-        threshold = noise16(positions, np.uint32(seed), u32).astype(np.float32) / np.float32(65536)
+        noise = noise16(positions, np.uint32(seed), u32, high)
+        threshold = noise.astype(np.float32) / np.float32(65536)
     else:
         threshold = np.float32(0.5)
     code = eight_bit_code(x, finite, ratio, low, below, above, threshold, signed, np.where)

@@ -229,6 +229,40 @@ def test_8_bit_encoding_is_unbiased_between_two_neighbouring_levels(signed: bool
     assert len(np.unique(nearest.reshape(blocks, 256)[:, 1:])) == 1
 
 
+def test_an_8_bit_second_moment_rounds_with_the_high_half_of_its_first_moments_hash() -> None:
+    # rounding.eight_bit_noise_source: state 1 (QHAdam's second moment) draws
+    # the high 16 bits of state 0's hash at each position, the others the low
+    # 16 bits of their own; the halves are independent of each other (over
+    # 2**16 positions the pairs of their top four bits fill 256 cells evenly,
+    # 256 each within 6 standard errors), and the high half stays unbiased in
+    # the rounding.
+    assert rounding.eight_bit_noise_source(0) == (0, False)
+    assert rounding.eight_bit_noise_source(1) == (0, True)
+    assert rounding.eight_bit_noise_source(2) == (2, False)
+    positions = np.arange(1 << 16, dtype=np.uint32)
+    seed = np.uint32(rounding.rounding_seed(3, rounding.state_index(5, 0)))
+    hashed = rounding.mix32(positions * np.uint32(rounding.POSITION_MULTIPLIER) ^ seed, U32)
+    low = rounding.noise16(positions, seed, U32)
+    high = rounding.noise16(positions, seed, U32, high=True)
+    assert np.array_equal(low, hashed & np.uint32(0xFFFF))
+    assert np.array_equal(high, hashed >> np.uint32(16))
+    assert [rounding.noise16(int(i), int(seed), high=True) for i in positions[:9]] == [
+        int(v) for v in high[:9]
+    ]
+    cells = np.bincount(((low >> np.uint32(12)) << np.uint32(4)) | (high >> np.uint32(12)))
+    assert cells.size == 256 and cells.min() > 256 - 96 and cells.max() < 256 + 96
+    assert abs(float(np.corrcoef(low, high)[0, 1])) < 0.02
+    # Stored with the high half, a value between two levels is still stored
+    # as itself on average, and the codes differ from the low half's.
+    x = np.full((256, 256), 0.3, np.float32)
+    x[:, 0] = 1.0
+    codes, scales = rounding.eight_bit_encode_reference(x, False, 11, True, high=True)
+    rest = rounding.eight_bit_decode_reference(codes, scales, False).reshape(256, 256)[:, 1:]
+    assert abs(float(rest.mean()) - 0.3) < 6 * 0.125 * 0.3 / 255
+    low_codes, _ = rounding.eight_bit_encode_reference(x, False, 11, True)
+    assert not np.array_equal(codes, low_codes)
+
+
 def test_8_bit_special_values() -> None:
     # NaN and infinities take their own code and leave the block's scale to
     # the finite values; a negative value sets bit 7; a positive value of an

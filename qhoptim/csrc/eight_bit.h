@@ -320,21 +320,37 @@ inline void decode_values(float* __restrict__ x, const uint8_t* __restrict__ c, 
 // power of two), and scaled by 2**(23 - e) they read
 //   (b & kBelowRung) > threshold * 2**20,
 // i.e. the bits under the rung exceed 16 times the 16-bit noise (2**19 to
-// nearest). A ratio of 1 is the top level itself, nothing under its rung:
-// the top's code, as the rule gives it. A vector with any other case -- 0,
-// the bottom rung, NaN and infinity, subnormals -- takes the general steps.
+// nearest). So the carry 2**20 - 1 - 16 * noise (kHalfCarry to nearest),
+// added to b, reaches the rung exactly when the rule goes up: the code is
+// ((b - lowest_bits + carry) >> 20) + code_of_lowest, the lowest fast level's
+// bits having nothing under their rung. A ratio of 1 is the top level
+// itself, nothing under its rung: the top's code, as the rule gives it. A
+// vector with any other case -- 0, the bottom rung, NaN and infinity,
+// subnormals -- takes the general steps.
 struct FastCase {
   static constexpr int32_t kOneBits = 0x3F800000;  // 1.0f
   static constexpr int32_t kHalfRung = int32_t{1} << (kRungShift - 1);  // to nearest
+  static constexpr int32_t kHalfCarry = kHalfRung - 1;  // 2**20 - 1 - 2**19
   int32_t lowest_bits;  // the fast ratios' bit patterns: lowest_bits .. + span
   int32_t span;
   int32_t code_of_rung;  // code = (b >> kRungShift) + code_of_rung
+  int32_t code_of_lowest;  // lowest_bits' code
   FastCase(const Ladder& ladder, bool is_signed) {
-    std::memcpy(&lowest_bits, &ladder.lv[is_signed ? 1 : 2], sizeof(lowest_bits));
+    code_of_lowest = is_signed ? 1 : 2;
+    std::memcpy(&lowest_bits, &ladder.lv[code_of_lowest], sizeof(lowest_bits));
     span = kOneBits - lowest_bits;
     code_of_rung = ladder.nl - 1 - kRungOfOne;
   }
 };
+
+// A state's 16 bits of noise from the hash of its value's position
+// (block_hashes): the low half, or with HIGH the high half -- an 8-bit
+// second moment's, which shares its first moment's hash
+// (qhoptim.rounding.eight_bit_noise_source).
+template <bool HIGH>
+inline uint32_t noise_of_hash(uint32_t hash) {
+  return HIGH ? hash >> 16 : hash & 0xFFFFu;
+}
 
 #if defined(__AVX2__)
 // hash32_of_key of 8 keys.
@@ -347,14 +363,14 @@ inline __m256i hash32_of_key_avx2(uint32_t seed, __m256i key) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-// encode_values' loop for the linear ladder, 8 values at a time (positions
-// below 2**32): the fast case (FastCase) on a ratio's bits, the general steps
-// with the levels around a ratio read off its bits too. The same codes as
-// the loop of encode_values, step for step.
-template <bool SIGNED, bool STOCHASTIC>
+// encode_values' loop for the linear ladder, 8 values at a time: the fast
+// case (FastCase) on a ratio's bits, the general steps with the levels around
+// a ratio read off its bits too. The same codes as the loop of encode_values,
+// step for step.
+template <bool SIGNED, bool STOCHASTIC, bool HIGH>
 inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__ x,
-                              uint32_t first, int len, float inverse_scale, const Ladder& ladder,
-                              uint32_t s) {
+                              const uint32_t* __restrict__ hashes, int len, float inverse_scale,
+                              const Ladder& ladder) {
   const int nl = ladder.nl;
   const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
@@ -367,19 +383,13 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
   const __m256 last_above = _mm256_set1_ps(ladder.lv[nl - 1]);
   const __m256i below_rung = _mm256_set1_epi32(kBelowRung);
   const __m256i one_rung = _mm256_set1_epi32(int32_t{1} << kRungShift);
-  // The lanes' hash keys (position_key), advanced by 8 positions' worth a vector.
-  __m256i key = _mm256_add_epi32(
-      _mm256_set1_epi32(static_cast<int>(first * kGolden)),
-      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                         _mm256_set1_epi32(static_cast<int>(kGolden))));
-  const __m256i key_step = _mm256_set1_epi32(static_cast<int>(8u * kGolden));
   const FastCase fast_case(ladder, SIGNED);
   const __m256i lowest = _mm256_set1_epi32(fast_case.lowest_bits);
   const __m256i span = _mm256_set1_epi32(fast_case.span);
   const __m256i code_of_rung = _mm256_set1_epi32(fast_case.code_of_rung);
   const __m256i half_rung = _mm256_set1_epi32(FastCase::kHalfRung);
   int i = 0;
-  for (; i + 8 <= len; i += 8, key = _mm256_add_epi32(key, key_step)) {
+  for (; i + 8 <= len; i += 8) {
     const __m256 value = _mm256_loadu_ps(x + i);
     const __m256 absolute = _mm256_and_ps(value, magnitude_mask);
     // The fast case (FastCase), and the general steps for the others. The
@@ -395,8 +405,10 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
     // (both below 2**20, so that a signed comparison does), or half a rung.
     __m256i bar = half_rung;
     if constexpr (STOCHASTIC) {
-      bar = _mm256_slli_epi32(
-          _mm256_and_si256(hash32_of_key_avx2(s, key), _mm256_set1_epi32(0xFFFF)), 4);
+      const __m256i hash = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hashes + i));
+      const __m256i noise = HIGH ? _mm256_srli_epi32(hash, 16)
+                                 : _mm256_and_si256(hash, _mm256_set1_epi32(0xFFFF));
+      bar = _mm256_slli_epi32(noise, 4);
     }
     if (_mm256_movemask_ps(fast) == 0xFF) {
       const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(fast_bits, below_rung), bar);
@@ -464,51 +476,36 @@ inline int encode_values_avx2(uint8_t* __restrict__ c, const float* __restrict__
 #endif
 
 #if defined(QHOPTIM_AVX512)
-// The constants of noise16_avx512 for a seed, made once per loop.
-struct Noise16 {
-  __m512i folded, first_multiplier, second_multiplier, low_half, high_half;
-  explicit Noise16(uint32_t seed)
+// The constants of hash_avx512 for a seed, made once per loop.
+struct HashConstants {
+  __m512i folded, first_multiplier, second_multiplier;
+  explicit HashConstants(uint32_t seed)
       : folded(kept(_mm512_set1_epi32(static_cast<int>(seed ^ (seed >> 16))))),
         first_multiplier(kept(_mm512_set1_epi32(0x7FEB352D))),
-        second_multiplier(kept(_mm512_set1_epi32(static_cast<int>(0x846CA68Bu)))),
-        low_half(kept(_mm512_set1_epi32(0xFFFF))),
-        high_half(kept(_mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))) {}
+        second_multiplier(kept(_mm512_set1_epi32(static_cast<int>(0x846CA68Bu)))) {}
 };
 
-// hash32_of_key(seed, key) but for its last step, x ^ (x >> 16), for 16 keys
-// (k: Noise16(seed)). Its first step, x ^ (x >> 16) of x = key ^ seed, is
-// key ^ (key >> 16) ^ folded with folded = seed ^ (seed >> 16) (a shift
-// distributes over a xor): one three-way xor per vector instead of two. The
-// encoding is bound by its vector operations, so each one left out shows.
-inline __m512i hash_but_last_avx512(const Noise16& k, __m512i key) {
+// hash32_of_key(seed, key) of 16 keys (k: HashConstants(seed)). Its first
+// step, x ^ (x >> 16) of x = key ^ seed, is key ^ (key >> 16) ^ folded with
+// folded = seed ^ (seed >> 16) (a shift distributes over a xor): one
+// three-way xor per vector instead of two.
+inline __m512i hash_avx512(const HashConstants& k, __m512i key) {
   __m512i x = _mm512_ternarylogic_epi32(key, _mm512_srli_epi32(key, 16), k.folded, 0x96);
   x = _mm512_mullo_epi32(x, k.first_multiplier);
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  return _mm512_mullo_epi32(x, k.second_multiplier);
+  x = _mm512_mullo_epi32(x, k.second_multiplier);
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-// The rounding's noise, hash32_of_key(seed, key) & 0xFFFF, of 16 keys: the
-// last step and the mask in one operation (vpternlogd).
-inline __m512i noise16_avx512(const Noise16& k, __m512i key) {
-  const __m512i x = hash_but_last_avx512(k, key);
-  return _mm512_ternarylogic_epi32(x, _mm512_srli_epi32(x, 16), k.low_half, 0x28);
-}
-
-// The noise times 2**16, as the fast case compares it: (x ^ (x >> 16)) << 16
-// is (x << 16) ^ (x & 0xFFFF0000), again one three-way operation.
-inline __m512i noise_high_avx512(const Noise16& k, __m512i key) {
-  const __m512i x = hash_but_last_avx512(k, key);
-  return _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 16), x, k.high_half, 0x78);
-}
-
-// The general steps of encode_values_avx512 for 16 values (`key` their noise's
-// keys), where not all of them are in FastCase's range (rare: a zero, a value
-// far below its block's scale, a non-finite one). Out of line, so that the
-// loop holds only the fast case's constants in its registers.
+// The general steps of encode_values_avx512 for 16 values (`noise` their
+// noise, noise_of_hash's), where not all of them are in FastCase's range
+// (rare: a zero, a value far below its block's scale, a non-finite one). Out
+// of line, so that the loop holds only the fast case's constants in its
+// registers.
 template <bool SIGNED, bool STOCHASTIC>
 __attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, __m512 value,
-                                                       __m512i key, float inverse_scale,
-                                                       const Ladder& ladder, uint32_t s) {
+                                                       __m512i noise, float inverse_scale,
+                                                       const Ladder& ladder) {
   const int nl = ladder.nl;
   const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
   const __m512 smallest = _mm512_set1_ps(kSmallestNormal);
@@ -540,7 +537,6 @@ __attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, 
   above = _mm512_mask_mov_ps(_mm512_mask_mov_ps(above, under, first_level), over, last_above);
   __m512 threshold = _mm512_set1_ps(0.5f);
   if constexpr (STOCHASTIC) {
-    const __m512i noise = noise16_avx512(Noise16(s), key);
     threshold = _mm512_mul_ps(_mm512_cvtepi32_ps(noise), _mm512_set1_ps(0x1p-16f));
   }
   const __mmask16 up =
@@ -561,57 +557,57 @@ __attribute__((noinline)) void encode16_general_avx512(uint8_t* __restrict__ c, 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8(code));
 }
 
-// encode_values_avx2, 16 values at a time. The fast case's comparison is an
-// unsigned one of the bits under a rung, shifted to the top (b << 12), with
-// the noise times 2**16, or 2**31 to nearest: the same as FastCase's.
+// encode_values_avx2, 16 values at a time. The fast case's code from the
+// carry (FastCase): 2**20 - 1 - 16 * noise is ((0xFFFF - noise) << 4) | 0xF,
+// the noise's bits moved to bits 4-19 (a shift of the hash, its other bits
+// masked) and flipped, and the low four set: one three-way operation.
 // PLAIN: a block whose scale is not tiny (inverse_scale <= lowest * 2**125,
 // the scale above about 2**-109), where a subnormal magnitude's ratio lies
 // below half the lowest fast level, so that the range test alone leaves it
 // to the general steps (its product can round up, but not past twice itself).
-template <bool SIGNED, bool STOCHASTIC, bool PLAIN>
+template <bool SIGNED, bool STOCHASTIC, bool HIGH, bool PLAIN>
 inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict__ x,
-                                uint32_t first, int len, float inverse_scale,
-                                const Ladder& ladder, uint32_t s) {
+                                const uint32_t* __restrict__ hashes, int len,
+                                float inverse_scale, const Ladder& ladder) {
   // Every constant of the loop kept (see kept).
   const __m512 smallest = kept(_mm512_set1_ps(kSmallestNormal));
   const __m512 inverse = kept(_mm512_set1_ps(inverse_scale));
-  const __m512i one = kept(_mm512_set1_epi32(1));
-  __m512i key = _mm512_add_epi32(
-      _mm512_set1_epi32(static_cast<int>(first * kGolden)),
-      _mm512_mullo_epi32(
-          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-          _mm512_set1_epi32(static_cast<int>(kGolden))));
-  const __m512i key_step = kept(_mm512_set1_epi32(static_cast<int>(16u * kGolden)));
-  const Noise16 noise_constants(s);
   const __m512i sign_code = kept(_mm512_set1_epi32(128));
   const FastCase fast_case(ladder, SIGNED);
   const __m512i lowest = kept(_mm512_set1_epi32(fast_case.lowest_bits));
   const __m512i span = kept(_mm512_set1_epi32(fast_case.span));
-  const __m512i code_of_rung = kept(_mm512_set1_epi32(fast_case.code_of_rung));
-  // Half a rung (FastCase::kHalfRung) shifted to the top as the bits are.
-  const __m512i half_rung = kept(_mm512_set1_epi32(static_cast<int>(
-      static_cast<uint32_t>(FastCase::kHalfRung) << (32 - kRungShift))));
+  const __m512i code_of_lowest = kept(_mm512_set1_epi32(fast_case.code_of_lowest));
+  const __m512i noise_field = kept(_mm512_set1_epi32(0xFFFF << 4));
+  const __m512i low_four = kept(_mm512_set1_epi32(0xF));
+  const __m512i half_carry = kept(_mm512_set1_epi32(FastCase::kHalfCarry));
   int i = 0;
-  for (; i + 16 <= len; i += 16, key = _mm512_add_epi32(key, key_step)) {
+  for (; i + 16 <= len; i += 16) {
     const __m512 value = _mm512_loadu_ps(x + i);
     const __m512 absolute = _mm512_abs_ps(value);
     // The fast case (FastCase); the general steps for the others.
     const __m512 fast_ratio = _mm512_mul_ps(absolute, inverse);
-    const __m512i fast_bits = _mm512_castps_si512(fast_ratio);
-    const __m512i offset = _mm512_sub_epi32(fast_bits, lowest);
+    const __m512i offset = _mm512_sub_epi32(_mm512_castps_si512(fast_ratio), lowest);
     const __mmask16 fast =
         PLAIN ? _mm512_cmple_epu32_mask(offset, span)
               : _mm512_mask_cmple_epu32_mask(_mm512_cmp_ps_mask(absolute, smallest, _CMP_GE_OQ),
                                              offset, span);
+    __m512i hash = _mm512_setzero_si512();
+    if constexpr (STOCHASTIC) {
+      hash = _mm512_loadu_si512(hashes + i);
+    }
     if (fast != 0xFFFF) {
-      encode16_general_avx512<SIGNED, STOCHASTIC>(c + i, value, key, inverse_scale, ladder, s);
+      const __m512i noise = HIGH ? _mm512_srli_epi32(hash, 16)
+                                 : _mm512_and_si512(hash, _mm512_set1_epi32(0xFFFF));
+      encode16_general_avx512<SIGNED, STOCHASTIC>(c + i, value, noise, inverse_scale, ladder);
       continue;
     }
-    const __m512i bar = STOCHASTIC ? noise_high_avx512(noise_constants, key) : half_rung;
-    const __mmask16 up =
-        _mm512_cmpgt_epu32_mask(_mm512_slli_epi32(fast_bits, 32 - kRungShift), bar);
-    __m512i code = _mm512_add_epi32(_mm512_srli_epi32(fast_bits, kRungShift), code_of_rung);
-    code = _mm512_mask_add_epi32(code, up, code, one);
+    __m512i carry = half_carry;
+    if constexpr (STOCHASTIC) {  // (~field & noise_field) | low_four
+      const __m512i field = HIGH ? _mm512_srli_epi32(hash, 12) : _mm512_slli_epi32(hash, 4);
+      carry = _mm512_ternarylogic_epi32(field, noise_field, low_four, 0xAE);
+    }
+    __m512i code = _mm512_add_epi32(
+        _mm512_srli_epi32(_mm512_add_epi32(offset, carry), kRungShift), code_of_lowest);
     if constexpr (SIGNED) {
       // The sign bit: here every value is finite, normal and not zero, so it
       // is value < 0, read on another port than a float comparison's.
@@ -624,33 +620,80 @@ inline int encode_values_avx512(uint8_t* __restrict__ c, const float* __restrict
 }
 #endif
 
-// Encode `len` values `x` of a block of `scale` (the values `first ..` of their
-// tensor, the noise's counter) into `c`: a value's ratio is its magnitude
-// times `inverse_scale`, times `after` (1, or 1/4 for a scale above
-// kLargestPlainScale, whose blocks take the scalar loop).
-template <bool SIGNED, bool STOCHASTIC, bool FOLD>
-inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, int64_t first,
-                          int len, float inverse_scale, float after, const Ladder& ladder,
-                          uint32_t s) {
+// The hashes of the positions first .. first + len under `seed`,
+// hash32_of_key(seed, position_key(first, i)) into `hashes`: a block's 32
+// random bits per value, made once for every state that draws its noise from
+// them (noise_of_hash). Positions past 2**32 are folded to 32 bits (torch's
+// kernels), or with WRAP taken modulo 2**32 (optax's: XLA's uint32 positions
+// wrap).
+template <bool WRAP>
+inline void block_hashes(uint32_t* __restrict__ hashes, int64_t first, int64_t len,
+                         uint32_t seed) {
+  const int n = static_cast<int>(len);
+  int i = 0;
+  if (!WRAP && needs_fold(first, len)) {
+    for (; i < n; ++i) {
+      hashes[i] = hash32_of_key(seed, position_key<true>(first, i));
+    }
+    return;
+  }
+  // The lanes' keys, position_key's, advanced by a vector's positions at a time.
+  [[maybe_unused]] const uint32_t first_key = static_cast<uint32_t>(first) * kGolden;
+#if defined(QHOPTIM_AVX512)
+  {
+    const HashConstants k(seed);
+    __m512i key = _mm512_add_epi32(
+        _mm512_set1_epi32(static_cast<int>(first_key)),
+        _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(static_cast<int>(kGolden))));
+    const __m512i key_step = kept(_mm512_set1_epi32(static_cast<int>(16u * kGolden)));
+    for (; i + 16 <= n; i += 16, key = _mm512_add_epi32(key, key_step)) {
+      _mm512_storeu_si512(hashes + i, hash_avx512(k, key));
+    }
+  }
+#endif
+#if defined(__AVX2__)
+  {
+    __m256i key = _mm256_add_epi32(
+        _mm256_set1_epi32(static_cast<int>(first_key + static_cast<uint32_t>(i) * kGolden)),
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                           _mm256_set1_epi32(static_cast<int>(kGolden))));
+    const __m256i key_step = _mm256_set1_epi32(static_cast<int>(8u * kGolden));
+    for (; i + 8 <= n; i += 8, key = _mm256_add_epi32(key, key_step)) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hashes + i), hash32_of_key_avx2(seed, key));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    hashes[i] = hash32_of_key(seed, position_key<false>(first, i));
+  }
+}
+
+// Encode `len` values `x` of a block of `scale` into `c`, each rounded with
+// the noise of its hash (noise_of_hash<HIGH>; none to nearest): a value's
+// ratio is its magnitude times `inverse_scale`, times `after` (1, or 1/4 for
+// a scale above kLargestPlainScale, whose blocks take the scalar loop).
+template <bool SIGNED, bool STOCHASTIC, bool HIGH>
+inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x,
+                          const uint32_t* __restrict__ hashes, int len, float inverse_scale,
+                          float after, const Ladder& ladder) {
   const float* __restrict__ lv = ladder.lv;
   const int nl = ladder.nl, per_octave = ladder.per_octave;
   int i = 0;
-  if constexpr (!FOLD) {
-    if (ladder.linear && after == 1.0f) {
-      [[maybe_unused]] const auto start = static_cast<uint32_t>(first);
+  if (ladder.linear && after == 1.0f) {
 #if defined(QHOPTIM_AVX512)
-      const float lowest = ladder.lv[SIGNED ? 1 : 2];  // FastCase's
-      i = inverse_scale <= lowest * 0x1p125f
-              ? encode_values_avx512<SIGNED, STOCHASTIC, true>(c, x, start, len, inverse_scale,
-                                                                 ladder, s)
-              : encode_values_avx512<SIGNED, STOCHASTIC, false>(c, x, start, len, inverse_scale,
-                                                                  ladder, s);
+    const float lowest = ladder.lv[SIGNED ? 1 : 2];  // FastCase's
+    i = inverse_scale <= lowest * 0x1p125f
+            ? encode_values_avx512<SIGNED, STOCHASTIC, HIGH, true>(c, x, hashes, len,
+                                                                   inverse_scale, ladder)
+            : encode_values_avx512<SIGNED, STOCHASTIC, HIGH, false>(c, x, hashes, len,
+                                                                    inverse_scale, ladder);
 #endif
 #if defined(__AVX2__)
-      i += encode_values_avx2<SIGNED, STOCHASTIC>(c + i, x + i, start + static_cast<uint32_t>(i),
-                                                  len - i, inverse_scale, ladder, s);
+    i += encode_values_avx2<SIGNED, STOCHASTIC, HIGH>(c + i, x + i, hashes + i, len - i,
+                                                      inverse_scale, ladder);
 #endif
-    }
   }
   for (; i < len; ++i) {
     const float absolute = std::fabs(x[i]);
@@ -676,8 +719,7 @@ inline void encode_values(uint8_t* __restrict__ c, const float* __restrict__ x, 
     const float below = lv[low], above = lv[low + 1];
     float threshold = 0.5f;
     if constexpr (STOCHASTIC) {
-      threshold =
-          static_cast<float>(hash32_of_key(s, position_key<FOLD>(first, i)) & 0xFFFFu) * 0x1p-16f;
+      threshold = static_cast<float>(noise_of_hash<HIGH>(hashes[i])) * 0x1p-16f;
     }
     // Up with probability (ratio - below) / (above - below): compared as a
     // product, no division per value.
@@ -706,15 +748,13 @@ inline void decode_block(float* x, const uint8_t* c, int64_t len, float scale,
             : decode_values<false>(x, c, n, scale, ladder);
 }
 
-// Encode one block of `len` values `x` (the values `first ..` of their tensor)
-// into `codes`, at the block's `scale` (block_scale's: where a step found it
-// as it wrote the values). Positions past 2**32 are folded to 32 bits
-// (torch's kernels), or with WRAP taken modulo 2**32 (optax's: XLA's uint32
-// positions wrap).
-template <bool WRAP = false>
-inline void encode_block_at_scale(uint8_t* c, const float* x, int64_t first, int64_t len,
-                                  float scale, const Ladder& ladder, bool is_signed, uint32_t s,
-                                  bool stochastic) {
+// Encode one block of `len` values `x` into `codes`, at the block's `scale`
+// (block_scale's: where a step found it as it wrote the values), rounded
+// stochastically with the noise of `hashes` (block_hashes'; its high halves
+// with `high`), or to nearest where `hashes` is null.
+inline void encode_block_at_scale(uint8_t* c, const float* x, int64_t len, float scale,
+                                  const Ladder& ladder, bool is_signed, const uint32_t* hashes,
+                                  bool high) {
   const int n = static_cast<int>(len);
   // Once per block: ratios are products. Above kLargestPlainScale the
   // reciprocal of a quarter of the scale, the product then times 1/4: the
@@ -722,27 +762,36 @@ inline void encode_block_at_scale(uint8_t* c, const float* x, int64_t first, int
   const bool large = scale > kLargestPlainScale;
   const float inverse_scale = (large ? 4.0f : 1.0f) / scale;
   const float after = large ? 0.25f : 1.0f;
-  auto encode = [&](auto signed_tag, auto stochastic_tag, auto fold_tag) {
+  auto encode = [&](auto signed_tag, auto stochastic_tag, auto high_tag) {
     encode_values<decltype(signed_tag)::value, decltype(stochastic_tag)::value,
-                  decltype(fold_tag)::value>(c, x, first, n, inverse_scale, after, ladder, s);
-  };
-  auto with_fold = [&](auto signed_tag, auto stochastic_tag) {
-    !WRAP && needs_fold(first, len) ? encode(signed_tag, stochastic_tag, std::true_type{})
-                           : encode(signed_tag, stochastic_tag, std::false_type{});
+                  decltype(high_tag)::value>(c, x, hashes, n, inverse_scale, after, ladder);
   };
   auto with_rounding = [&](auto signed_tag) {
-    stochastic ? with_fold(signed_tag, std::true_type{}) : with_fold(signed_tag, std::false_type{});
+    if (hashes == nullptr) {
+      encode(signed_tag, std::false_type{}, std::false_type{});
+    } else {
+      high ? encode(signed_tag, std::true_type{}, std::true_type{})
+           : encode(signed_tag, std::true_type{}, std::false_type{});
+    }
   };
   is_signed ? with_rounding(std::true_type{}) : with_rounding(std::false_type{});
 }
 
-// The same, the block's scale found first and written to `*scale_out`.
+// Encode one block of `len` values `x` (the values `first ..` of their tensor)
+// into `codes`, its scale found first and written to `*scale_out`; rounded
+// stochastically with the noise of `seed` at their positions (block_hashes,
+// WRAP its), or to nearest.
 template <bool WRAP = false>
 inline void encode_block(uint8_t* c, float* scale_out, const float* x, int64_t first, int64_t len,
-                         const Ladder& ladder, bool is_signed, uint32_t s, bool stochastic) {
+                         const Ladder& ladder, bool is_signed, uint32_t seed, bool stochastic,
+                         bool high) {
   const float scale = block_scale(x, static_cast<int>(len));
   *scale_out = scale;
-  encode_block_at_scale<WRAP>(c, x, first, len, scale, ladder, is_signed, s, stochastic);
+  alignas(64) uint32_t hashes[kBlock];
+  if (stochastic) {
+    block_hashes<WRAP>(hashes, first, len, seed);
+  }
+  encode_block_at_scale(c, x, len, scale, ladder, is_signed, stochastic ? hashes : nullptr, high);
 }
 
 // Whether ladder_of_levels takes `nl` levels with `per_octave` a halving: at

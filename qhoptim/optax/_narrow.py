@@ -164,8 +164,9 @@ def rounding_seed(count: jax.Array, index: int) -> jax.Array:
     return rounding.rounding_seed(count.astype(jnp.uint32), jnp.uint32(index), _BITS)  # type: ignore[no-any-return]
 
 
-def _noise16(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
-    """The noise of each element of an array of ``shape`` (its row-major position).
+def _noise16(shape: tuple[int, ...], seed: jax.Array, high: bool = False) -> jax.Array:
+    """The noise of each element of an array of ``shape`` (its row-major
+    position; the high halves of the hashes with ``high``).
 
     The position is summed from one iota per dimension times its stride, which
     XLA computes inside the loop from the element's index; an iota reshaped
@@ -178,7 +179,7 @@ def _noise16(shape: tuple[int, ...], seed: jax.Array) -> jax.Array:
         index = jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
         position = position + index * jnp.uint32(stride & 0xFFFFFFFF)
         stride *= shape[dim]
-    return rounding.noise16(position, seed, _BITS)  # type: ignore[no-any-return]
+    return rounding.noise16(position, seed, _BITS, high)  # type: ignore[no-any-return]
 
 
 @functools.cache
@@ -257,11 +258,13 @@ def _decode(stored: EightBitArray) -> jax.Array:
     return _on_auto_axes(decode, out_spec, stored.codes, stored.scales)  # type: ignore[no-any-return]
 
 
-def _encode(value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool) -> EightBitArray:
+def _encode(
+    value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool, high: bool = False
+) -> EightBitArray:
     """:func:`_encode_here` of ``value``, on a mesh of explicit axes too."""
 
     def encode(value: jax.Array, seed: jax.Array) -> tuple[jax.Array, jax.Array]:
-        stored = _encode_here(value, signed, seed, stochastic)
+        stored = _encode_here(value, signed, seed, stochastic, high)
         return stored.codes, stored.scales
 
     def out_specs(mesh: Any, spec: Any) -> tuple[Any, Any]:
@@ -293,12 +296,13 @@ def _decode_here(stored: EightBitArray) -> jax.Array:
 
 
 def _encode_here(
-    value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool
+    value: jax.Array, signed: bool, seed: jax.Array, stochastic: bool, high: bool
 ) -> EightBitArray:
     """``value`` in 8 bits (:func:`qhoptim.rounding.eight_bit_encode_reference`):
     each block's scale its largest finite magnitude, each value one of the two
-    levels around it, chosen by the noise of ``seed`` (or to nearest); NaN and
-    infinities take the non-finite code and leave their block alone."""
+    levels around it, chosen by the noise of ``seed`` (the high halves of its
+    hashes with ``high``), or to nearest; NaN and infinities take the
+    non-finite code and leave their block alone."""
     x = value.astype(jnp.float32).reshape(-1)  # flat: blocks of 256 in row-major order
     finite = jnp.isfinite(x)
     # Subnormals read as 0 (XLA flushes them; the rule does so everywhere).
@@ -320,7 +324,7 @@ def _encode_here(
         jax.lax.bitcast_convert_type(ratio, jnp.int32), signed, jnp.where
     )
     if stochastic:
-        threshold = _noise16(x.shape, seed).astype(jnp.float32) * 2.0**-16
+        threshold = _noise16(x.shape, seed, high).astype(jnp.float32) * 2.0**-16
     else:
         threshold = jnp.float32(0.5)
     code = rounding.eight_bit_code(
@@ -351,17 +355,22 @@ def load(stored: jax.Array | EightBitArray, dtype: Any) -> jax.Array:
 
 
 def store(
-    value: jax.Array, like: jax.Array | EightBitArray, seed: jax.Array, stochastic: bool
+    value: jax.Array,
+    like: jax.Array | EightBitArray,
+    seed: jax.Array,
+    stochastic: bool,
+    high: bool = False,
 ) -> jax.Array | EightBitArray:
     """``value`` (a step's new state) stored as ``like`` is: in 8 bits
-    (:func:`_encode`), to bfloat16 rounded stochastically with ``seed``
-    (:mod:`qhoptim.rounding`), otherwise cast to ``like``'s dtype.
+    (:func:`_encode`, ``high``: with the high halves of ``seed``'s hashes), to
+    bfloat16 rounded stochastically with ``seed`` (:mod:`qhoptim.rounding`),
+    otherwise cast to ``like``'s dtype.
 
     The noise of each element is the hash of its flat position, so XLA makes it
     inside the update's fused loop, never as an array of its own.
     """
     if isinstance(like, EightBitArray):
-        return _encode(value, like.signed, seed, stochastic)
+        return _encode(value, like.signed, seed, stochastic, high)
     dtype = like.dtype
     if not (stochastic and dtype == jnp.bfloat16 and value.dtype != jnp.bfloat16):
         return value.astype(dtype)

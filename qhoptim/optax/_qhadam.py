@@ -12,6 +12,7 @@ import optax
 
 from qhoptim import rounding, rules, validation
 from qhoptim.optax._narrow import (
+    EightBitArray,
     check_narrow_params,
     checked_state_dtype,
     load,
@@ -256,10 +257,16 @@ def scale_by_qhadam(
             def in_xla(
                 nexts: list[Any] = nexts, stored: Any = stored, seeds: Any = seeds
             ) -> list[Any]:
-                return [
-                    store(x, like, seed, stochastic)
-                    for x, like, seed in zip(nexts, stored[: len(nexts)], seeds, strict=True)
-                ]
+                states = []
+                for k, (x, like) in enumerate(zip(nexts, stored[: len(nexts)], strict=True)):
+                    # An 8-bit state draws the noise eight_bit_noise_source names.
+                    source, high = (
+                        rounding.eight_bit_noise_source(k)
+                        if isinstance(like, EightBitArray)
+                        else (k, False)
+                    )
+                    states.append(store(x, like, seeds[source], stochastic, high))
+                return states
 
             # The C++ step takes a float32 gradient of its state's shape (one that
             # broadcasts against its parameter takes XLA's, as optax.adam takes it).

@@ -196,16 +196,17 @@ def _index_spreads(positions: tuple[int, ...], states: int) -> list[int]:
     ]
 
 
-def hash32(seed: int, start: int, stop: int, device: torch.device) -> Tensor:
+def hash32(seed: int, start: int, stop: int, device: torch.device, high: bool = False) -> Tensor:
     """The noise of the elements at positions ``start .. stop-1`` of a tensor under
-    ``seed`` (int64 values below 2**16): :func:`qhoptim.rounding.noise16`, the
+    ``seed`` (int64 values below 2**16; the high halves of their hashes with
+    ``high``): :func:`qhoptim.rounding.noise16`, the
     numbers the fused CPU kernel computes per element (``hash32`` in
     ``csrc/fused_cpu.cpp``; a test holds the two paths to the same bits).
     Positions past 2**32 are folded to 32 bits as the kernel folds them."""
     i = torch.arange(start, stop, dtype=torch.int64, device=device)
     if stop > _MASK32:
         i = (i ^ (i >> 32)) & _MASK32
-    return rounding.noise16(i, seed, _INT64_BITS)  # type: ignore[no-any-return]
+    return rounding.noise16(i, seed, _INT64_BITS, high)  # type: ignore[no-any-return]
 
 
 def stochastic_round_(dst: Tensor, src: Tensor, seed: int, start: int = 0) -> None:
@@ -336,11 +337,18 @@ def _level(signed: bool, k: Tensor) -> Tensor:
 
 
 def quantize_(
-    stored: _Packed, src: Tensor, signed: bool, seed: int, stochastic: bool, start: int
+    stored: _Packed,
+    src: Tensor,
+    signed: bool,
+    seed: int,
+    stochastic: bool,
+    start: int,
+    high: bool = False,
 ) -> None:
     """``stored`` <- ``src`` (flat) in 8 bits: each block's scale is its largest
     finite magnitude, each value one of the two levels around it, chosen with
-    :func:`hash32`'s noise (``stochastic``) or to nearest. A NaN or an infinity
+    :func:`hash32`'s noise (``stochastic``; ``high``: the high halves of the
+    hashes, :func:`qhoptim.rounding.eight_bit_noise_source`) or to nearest. A NaN or an infinity
     takes the non-finite code (:data:`qhoptim.rounding.EIGHT_BIT_NON_FINITE`)
     and leaves its block's scale, and so the other values, alone."""
     x = src.to(torch.float32).reshape(-1)
@@ -356,6 +364,7 @@ def quantize_(
             signed,
             seed,
             stochastic,
+            high,
             start,
             rounding.EIGHT_BIT_PER_OCTAVE,  # a first guess of a level; the table decides
         )
@@ -380,7 +389,8 @@ def quantize_(
     )
     below, above = below.view(torch.float32), above.view(torch.float32)
     if stochastic:
-        threshold = hash32(seed, start, start + n, x.device).to(torch.float32) * 2.0**-16
+        noise = hash32(seed, start, start + n, x.device, high)
+        threshold = noise.to(torch.float32) * 2.0**-16
     else:
         threshold = torch.full_like(ratio, 0.5)
     code = rounding.eight_bit_code(
@@ -475,7 +485,8 @@ def step_with_narrow_state(
     working copies of ``state_lists`` (each aligned with ``params``) in the
     parameters' dtype (float32, with the parameter and gradient, for an 8-bit
     state of a 16-bit parameter), then write each back: the ``k``-th state of the
-    parameter at ``position`` rounded with ``seeds[position][k]``.
+    parameter at ``position`` rounded with ``seeds[position][k]`` (an 8-bit
+    one with the noise :func:`qhoptim.rounding.eight_bit_noise_source` names).
 
     A piece is a tensor, or a slice of a tensor larger than
     :data:`CHUNK_VALUES` (the update is element-wise), so the working copies
@@ -554,7 +565,8 @@ def step_with_narrow_state(
         for k, (lst, wl) in enumerate(zip(stored, work, strict=True)):
             for (i, a, _), s, w in zip(run, lst, wl, strict=True):
                 if isinstance(s, _Packed):
-                    quantize_(s, w, signed[k], seeds[i][k], stochastic is not False, a)
+                    source, high = rounding.eight_bit_noise_source(k)
+                    quantize_(s, w, signed[k], seeds[i][source], stochastic is not False, a, high)
                 else:
                     write_back_(s, w, seeds[i][k], stochastic, a)
 

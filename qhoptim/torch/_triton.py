@@ -265,13 +265,13 @@ _SAME, _BFLOAT16, _EIGHT_BIT = 0, 1, 2
 
 
 @triton.jit
-def _noise16(offs, seeds, t, k):
-    """qhoptim.rounding.noise16 of the elements at ``offs`` under the seed of
-    state ``k`` of tensor ``t`` (positions past 2**32 folded as the CPU kernel
-    folds them)."""
+def _hash32(offs, seeds, t, k):
+    """The hash of the elements at ``offs`` under the seed of state ``k`` of
+    tensor ``t`` (positions past 2**32 folded as the CPU kernel folds them),
+    whose low half is qhoptim.rounding.noise16."""
     seed = tl.load(seeds + 3 * t + k).to(tl.uint32)
     position = (offs ^ (offs >> 32)).to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)
-    return _mix32(position ^ seed) & 0xFFFF
+    return _mix32(position ^ seed)
 
 
 @triton.jit
@@ -345,7 +345,7 @@ def _store_state(ptr, offs, mask, value, n, seeds, t, k, SIGNED, NARROW, DTYPE, 
     if NARROW == 1:
         bits = value.to(tl.float32).to(tl.uint32, bitcast=True)
         nan = (0x7F800000 - (bits & 0x7FFFFFFF)) >> 31  # a NaN: no noise, quiet (rounding)
-        bits = (bits + _noise16(offs, seeds, t, k) * (1 - nan)) | (nan << 22)
+        bits = (bits + (_hash32(offs, seeds, t, k) & 0xFFFF) * (1 - nan)) | (nan << 22)
         tl.store(ptr + offs, (bits >> 16).to(tl.uint16), mask=mask)
     elif NARROW == 2:
         scales, codes = _eight_bit_parts(ptr, n)
@@ -383,7 +383,13 @@ def _store_state(ptr, offs, mask, value, n, seeds, t, k, SIGNED, NARROW, DTYPE, 
         low = tl.where(under, 0, tl.where(over, TOP - 1, low))
         below = below.to(tl.float32, bitcast=True)
         above = above.to(tl.float32, bitcast=True)
-        threshold = _noise16(offs, seeds, t, k).to(tl.float32) * (1.0 / 65536.0)
+        # rounding.eight_bit_noise_source: the second moment (state 1) takes
+        # the high half of its first moment's hash.
+        if k == 1:
+            noise = _hash32(offs, seeds, t, 0) >> 16
+        else:
+            noise = _hash32(offs, seeds, t, k) & 0xFFFF
+        threshold = noise.to(tl.float32) * (1.0 / 65536.0)
         code = low + (ratio - below > threshold * (above - below)).to(tl.int32)
         if SIGNED:  # no -0: 128 is the non-finite code
             code = tl.where((x < 0) & (code > 0), code + 128, code)

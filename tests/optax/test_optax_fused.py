@@ -211,7 +211,8 @@ def test_8_bit_states_are_the_rule_s_bytes_for_the_float32_averages(
     name: str, stochastic: Any
 ) -> None:
     # One step from a stored 8-bit state: each state's codes and scales are the
-    # NumPy statement's (qhoptim.rounding.eight_bit_encode_reference) for the
+    # NumPy statement's (qhoptim.rounding.eight_bit_encode_reference, with the
+    # noise rounding.eight_bit_noise_source names) for the
     # moving averages of the decoded state computed in float32, each product
     # and sum rounded as written -- every byte, for every shape (the big one
     # in slices on several threads, blocks cut by the end of a parameter).
@@ -238,9 +239,10 @@ def test_8_bit_states_are_the_rule_s_bytes_for_the_float32_averages(
         if len(old) == 3:  # the running maximum (NaN from either side, as jnp.maximum)
             averages.append(np.maximum(decoded[2], averages[1]))
         for k, (value, stored) in enumerate(zip(averages, new, strict=True)):
-            seed = rounding.rounding_seed(4, rounding.state_index(position, k))
+            source, high = rounding.eight_bit_noise_source(k)
+            seed = rounding.rounding_seed(4, rounding.state_index(position, source))
             codes, scales = rounding.eight_bit_encode_reference(
-                value, stored.signed, seed, stochastic is None
+                value, stored.signed, seed, stochastic is None, high=high
             )
             assert np.array_equal(np.asarray(stored.codes).reshape(-1), codes), (position, k)
             assert np.asarray(stored.scales).tobytes() == scales.tobytes(), (position, k)

@@ -338,10 +338,12 @@ def test_the_8_bit_codes_are_the_rule_every_backend_follows(fused: bool) -> None
         for step in (1, 2):
             _, state = jax.jit(tx.update)(grads, state)
             for k, (moment, values) in enumerate(((state.mu, g), (state.nu, squares))):
-                seed = rounding.rounding_seed(step, 4 * 1 + k)
+                # The second moment rounds with its first moment's hashes' high halves.
+                source, high = rounding.eight_bit_noise_source(k)
+                seed = rounding.rounding_seed(step, rounding.state_index(1, source))
                 signed = k == 0
                 codes, scales = rounding.eight_bit_encode_reference(
-                    values, signed, seed, stochastic is None
+                    values, signed, seed, stochastic is None, high=high
                 )
                 stored = moment["b"]
                 assert stored.signed == signed
@@ -390,8 +392,9 @@ def test_8_bit_codes_of_values_over_sixty_decades_are_the_rules(fused: bool) -> 
     params = {"w": jnp.zeros(n)}
     _, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, tx.init(params))
     for k, (moment, values) in enumerate(((state.mu, g), (state.nu, g * g))):
+        source, high = rounding.eight_bit_noise_source(k)
         codes, scales = rounding.eight_bit_encode_reference(
-            values, k == 0, rounding.rounding_seed(1, k), True
+            values, k == 0, rounding.rounding_seed(1, source), True, high=high
         )
         assert np.array_equal(np.asarray(moment["w"].codes), codes)
         assert np.array_equal(np.asarray(moment["w"].scales), scales)

@@ -828,6 +828,59 @@ def test_the_fused_8_bit_kernel_steps_as_the_working_copies_do(
                 assert torch.equal(fused.state[p][k], copied.state[q][k]), k
 
 
+@pytest.mark.parametrize("path", ["kernel", "working copies", "torch operations"])
+@pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
+def test_each_8_bit_state_is_stored_by_the_rule_with_the_noise_it_names(
+    cls: type, kwargs: dict[str, Any], path: str, monkeypatch: Any
+) -> None:
+    # Each step's new 8-bit state is the float32 state stepped from the state
+    # as read, stored by the rule every backend follows with the noise
+    # rounding.eight_bit_noise_source names: QHAdam's second moment the high
+    # halves of its first moment's hashes, every other state its own seed's
+    # low halves. On each CPU path: the fused kernel, working copies encoded
+    # in C++, working copies encoded by torch operations.
+    if path != "kernel":
+        monkeypatch.setattr(_state_dtype, "in_fused_kernel", lambda *args: False)
+    if path == "torch operations":
+        monkeypatch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(300,), (2, 256), (7,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    narrow = cls(params, **kwargs, fused=True, state_dtype=U8)
+    keys = cls._STATE_LISTS
+    signed = dict(zip(keys, cls._SIGNED, strict=True))
+    other_rule_differs = False
+    for step in range(1, 4):
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        wide = cls(copies, **kwargs, fused=True)
+        if step > 1:  # the 8-bit state as read (decoded exactly by the load)
+            wide.load_state_dict(copy.deepcopy(narrow.state_dict()))
+        for p, q, g in zip(params, copies, _grads(params, step), strict=True):
+            p.grad, q.grad = g, g.clone()
+        narrow.step()
+        wide.step()
+        for position, (p, q) in enumerate(zip(params, copies, strict=True)):
+            assert torch.equal(p, q)
+            for k, key in enumerate(keys):
+                if key not in narrow.state[p]:
+                    continue
+                value = wide.state[q][key].numpy()
+                stored = narrow.state[p][key].numpy()
+                blocks = -(-value.size // 256)
+                source, high = rounding.eight_bit_noise_source(k)
+                seed = rounding.rounding_seed(step, rounding.state_index(position, source))
+                codes, scales = rounding.eight_bit_encode_reference(
+                    value, signed[key], seed, True, high=high
+                )
+                assert np.array_equal(stored[4 * blocks :], codes), (key, step)
+                assert np.array_equal(stored[: 4 * blocks].view(np.float32), scales)
+                if high:  # the state's own seed would have stored other codes
+                    own = rounding.rounding_seed(step, rounding.state_index(position, k))
+                    other, _ = rounding.eight_bit_encode_reference(value, False, own, True)
+                    other_rule_differs |= not np.array_equal(other, codes)
+    assert other_rule_differs == ("exp_avg_sq" in keys)
+
+
 @pytest.mark.parametrize(("cls", "kwargs"), CONFIGS, ids=IDS)
 def test_the_fused_8_bit_kernel_finds_the_rules_scale_of_every_kind_of_block(
     cls: type, kwargs: dict[str, Any], monkeypatch: Any

@@ -313,15 +313,20 @@ def test_a_step_runs_one_kernel_per_device_and_dtype_on_cuda(
 
 
 def _stored_by_the_rule(
-    value: torch.Tensor, state_dtype: torch.dtype, signed: bool, step: int, index: int
+    value: torch.Tensor, state_dtype: torch.dtype, signed: bool, step: int, position: int, k: int
 ) -> np.ndarray:
-    """The bytes ``value`` (float32) is stored as after ``step``, state ``index``:
-    qhoptim.rounding's NumPy statements of the bfloat16 and 8-bit rules."""
+    """The bytes ``value`` (float32) is stored as after ``step``, state ``k`` of
+    the parameter at ``position``: qhoptim.rounding's NumPy statements of the
+    bfloat16 and 8-bit rules (an 8-bit state's noise the one
+    rounding.eight_bit_noise_source names)."""
     x = value.detach().cpu().numpy()
     if state_dtype == torch.bfloat16:
-        return rounding.stochastic_round_reference(x, step, index).view(np.uint8)
-    seed = rounding.rounding_seed(step, index)
-    codes, scales = rounding.eight_bit_encode_reference(x, signed, seed, stochastic=True)
+        return rounding.stochastic_round_reference(x, step, rounding.state_index(position, k)).view(
+            np.uint8
+        )
+    source, high = rounding.eight_bit_noise_source(k)
+    seed = rounding.rounding_seed(step, rounding.state_index(position, source))
+    codes, scales = rounding.eight_bit_encode_reference(x, signed, seed, True, high=high)
     return np.concatenate([scales.view(np.uint8), codes])
 
 
@@ -360,9 +365,8 @@ def test_a_narrow_state_steps_in_the_kernel_and_rounds_by_the_rule(
                     continue
                 stored = narrow.state[p][key]
                 assert stored.dtype == state_dtype
-                index = rounding.state_index(position, k)
                 value = wide.state[q][key]
-                want = _stored_by_the_rule(value, state_dtype, signed[key], step, index)
+                want = _stored_by_the_rule(value, state_dtype, signed[key], step, position, k)
                 assert np.array_equal(stored.cpu().contiguous().view(torch.uint8).numpy(), want)
 
 
@@ -377,7 +381,7 @@ def test_an_8_bit_block_near_float32s_overflow_is_stored_by_the_rule() -> None:
     p.grad = g.to(DEVICE)
     opt.step()
     stored = opt.state[p]["momentum_buffer"].cpu().contiguous().view(torch.uint8).numpy()
-    assert np.array_equal(stored, _stored_by_the_rule(g, torch.uint8, True, 1, 0))
+    assert np.array_equal(stored, _stored_by_the_rule(g, torch.uint8, True, 1, 0, 0))
 
 
 def test_a_nan_whatever_its_payload_is_stored_as_a_nan_by_the_rule() -> None:
@@ -394,7 +398,7 @@ def test_a_nan_whatever_its_payload_is_stored_as_a_nan_by_the_rule() -> None:
     stored = opt.state[p]["momentum_buffer"].cpu().contiguous()
     assert stored[[3, 100, 200, 299]].isnan().all()
     assert np.array_equal(
-        stored.view(torch.uint8).numpy(), _stored_by_the_rule(g, torch.bfloat16, True, 1, 0)
+        stored.view(torch.uint8).numpy(), _stored_by_the_rule(g, torch.bfloat16, True, 1, 0, 0)
     )
 
 

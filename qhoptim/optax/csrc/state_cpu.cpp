@@ -198,9 +198,13 @@ struct EightBitLeaf {
 
 // The states' ladders: QHM's buffer and QHAdam's first moment signed, the
 // second moment and its running maximum not (qhoptim.optax's _zeros_state).
+// `high`: the state rounds with the high halves of the first state's hashes
+// (QHAdam's second moment, qhoptim.rounding.eight_bit_noise_source), its own
+// seed unused.
 struct EightBitRule {
   const eight_bit::Ladder* ladder[3];
   bool is_signed[3];
+  bool high[3];
   bool stochastic;
 };
 
@@ -246,6 +250,7 @@ void step_block(float (*local)[kBlock], const float* __restrict__ g, int64_t len
 void step_blocks(const EightBitLeaf& leaf, int64_t count, const EightBitRule& rule, const float* c,
                  int64_t first, int64_t n) {
   alignas(64) float local[3][kBlock];
+  alignas(64) uint32_t hashes[kBlock];
   for (int64_t b = first; b < first + n; ++b) {
     const int64_t lo = b * kBlock, len = std::min(leaf.size, lo + kBlock) - lo;
     for (int64_t k = 0; k < count; ++k) {
@@ -258,9 +263,12 @@ void step_blocks(const EightBitLeaf& leaf, int64_t count, const EightBitRule& ru
       const float scale =
           eight_bit::scale_from_magnitudes(largest[k], local[k], static_cast<int>(len));
       leaf.scales_out[k][b] = scale;
-      eight_bit::encode_block_at_scale<kWrap>(leaf.codes_out[k] + lo, local[k], lo, len, scale,
-                                              *rule.ladder[k], rule.is_signed[k], leaf.seeds[k],
-                                              rule.stochastic);
+      if (rule.stochastic && !rule.high[k]) {  // a high state follows the first
+        eight_bit::block_hashes<kWrap>(hashes, lo, len, leaf.seeds[k]);
+      }
+      eight_bit::encode_block_at_scale(leaf.codes_out[k] + lo, local[k], len, scale,
+                                       *rule.ladder[k], rule.is_signed[k],
+                                       rule.stochastic ? hashes : nullptr, rule.high[k]);
     }
   }
 }
@@ -349,7 +357,8 @@ ffi::Error StoreEightBitState(ffi::Buffer<ffi::F32> coefficients, ffi::Buffer<ff
         signed_levels.typed_data(), static_cast<int>(signed_count), static_cast<int>(per_octave));
     const eight_bit::Ladder without = eight_bit::ladder_of_levels(
         unsigned_levels.typed_data(), static_cast<int>(unsigned_count), static_cast<int>(per_octave));
-    const EightBitRule rule{{&with_sign, &without, &without}, {true, false, false}, stochastic != 0};
+    const EightBitRule rule{
+        {&with_sign, &without, &without}, {true, false, false}, {false, true, false}, stochastic != 0};
     return step_all_eight_bit(coefficients, seeds, rule, arrays, stepped, count, leaves);
   } catch (const std::exception& error) {  // no exception crosses into XLA
     return ffi::Error::Internal(std::string("qhoptim's 8-bit state: ") + error.what());

@@ -590,7 +590,8 @@ Ladder ladder_of(const at::Tensor& levels, int64_t per_octave) {
 }
 
 void quantize8_(at::Tensor codes, at::Tensor scales, at::Tensor values, at::Tensor levels,
-                bool is_signed, int64_t seed, bool stochastic, int64_t start, int64_t per_octave) {
+                bool is_signed, int64_t seed, bool stochastic, bool high, int64_t start,
+                int64_t per_octave) {
   check_eight_bit(codes, scales, values, levels);
   uint8_t* c = codes.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
@@ -601,7 +602,8 @@ void quantize8_(at::Tensor codes, at::Tensor scales, at::Tensor values, at::Tens
   at::parallel_for(0, scales.numel(), 64, [=](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
-      encode_block(c + lo, sc + b, x + lo, start + lo, len, ladder, is_signed, s, stochastic);
+      encode_block(c + lo, sc + b, x + lo, start + lo, len, ladder, is_signed, s, stochastic,
+                   high);
     }
   });
 }
@@ -645,13 +647,16 @@ Packed8 packed8(at::Tensor& packed, int64_t n) {
 // largest)` -- the float32 kernel's chunk over the block, on the decoded
 // values, which also finds each new state's magnitude_bits maximum as it
 // writes it, whence the block's scale (scale_from_magnitudes) -- and encoded
-// back (encode_block_at_scale) with the state's seed. The same numbers as
+// back (encode_block_at_scale) with the noise of the state's seed (or, where
+// `high[k]`, the high halves of state 0's hashes: state k follows it, and its
+// seed is unused; qhoptim.rounding.eight_bit_noise_source). The same numbers as
 // decoding the whole tensor, stepping it and encoding it (the working-copy
 // path), in one pass over memory.
 template <int K, typename Step>
 void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tensor*, K> states,
                       std::array<bool, K> is_signed, std::array<uint32_t, K> seeds,
-                      const Ladder& signed_ladder, const Ladder& unsigned_ladder, Step step) {
+                      std::array<bool, K> high, const Ladder& signed_ladder,
+                      const Ladder& unsigned_ladder, Step step) {
   const int64_t n = param.numel();
   const float* p = param.data_ptr<float>();
   std::array<Packed8, K> packed;
@@ -662,6 +667,7 @@ void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tenso
   const bool asks = asks_ahead();
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     alignas(64) float local[K][kBlock];
+    alignas(64) uint32_t hashes[kBlock];
     const int64_t hi = std::min(n, b1 * kBlock);  // this thread's blocks' end
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock, len = std::min(n, lo + kBlock) - lo;
@@ -691,8 +697,11 @@ void eight_bit_blocks(at::Tensor& param, const float* grad, std::array<at::Tenso
         const Ladder& ladder = is_signed[k] ? signed_ladder : unsigned_ladder;
         const float scale = scale_from_magnitudes(largest[k], local[k], static_cast<int>(len));
         packed[k].scales[b] = scale;
-        encode_block_at_scale(packed[k].codes + lo, local[k], lo, len, scale, ladder, is_signed[k],
-                              seeds[k], true);
+        if (!high[k]) {
+          block_hashes<false>(hashes, lo, len, seeds[k]);
+        }
+        encode_block_at_scale(packed[k].codes + lo, local[k], len, scale, ladder, is_signed[k],
+                              hashes, high[k]);
       }
     }
   });
@@ -746,7 +755,7 @@ void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   for_each_float32_param(params, grads, [&](size_t i, float* p, const float* g) {
     with_terms<true>(terms, low, [&](auto terms_tag, auto low_tag) {
       eight_bit_blocks<1>(
-          params[i], g, {&momentum_buffers[i]}, {true}, {seed[3 * i]}, ladder, ladder,
+          params[i], g, {&momentum_buffers[i]}, {true}, {seed[3 * i]}, {false}, ladder, ladder,
           [&](int64_t lo, int64_t len, float (*local)[kBlock], int32_t* largest) {
             qhm_chunk<float, float, false, float, false, decltype(low_tag)::value,
                       decltype(terms_tag)::value, true>(p + lo, g + lo, local[0], lo, len, gm, wd,
@@ -758,6 +767,8 @@ void qhm8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
 
 // QHAdam's step (qhadam_'s arguments) with 8-bit moments: the first moment
 // (and no other) signed; `levels_signed`, `levels_unsigned` the two ladders.
+// The second moment rounds with the high halves of the first moment's hashes
+// (qhoptim.rounding.eight_bit_noise_source): its seed is unused.
 void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
               std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
               std::vector<at::Tensor> max_exp_avg_sqs, std::vector<double> coefficients,
@@ -793,7 +804,7 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
         if (amsgrad) {
           eight_bit_blocks<3>(
               params[i], g, {&exp_avgs[i], &exp_avg_sqs[i], &max_exp_avg_sqs[i]},
-              {true, false, false}, {seed[3 * i], seed[3 * i + 1], seed[3 * i + 2]},
+              {true, false, false}, {seed[3 * i], 0, seed[3 * i + 2]}, {false, true, false},
               signed_ladder, unsigned_ladder,
               [&](int64_t lo, int64_t len, float (*local)[kBlock], int32_t* largest) {
                 qhadam_chunk<float, float, false, float, kForm, true, false, kLow, kTerms, true>(
@@ -803,7 +814,7 @@ void qhadam8_(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
         } else {
           eight_bit_blocks<2>(
               params[i], g, {&exp_avgs[i], &exp_avg_sqs[i]}, {true, false},
-              {seed[3 * i], seed[3 * i + 1]}, signed_ladder, unsigned_ladder,
+              {seed[3 * i], 0}, {false, true}, signed_ladder, unsigned_ladder,
               [&](int64_t lo, int64_t len, float (*local)[kBlock], int32_t* largest) {
                 qhadam_chunk<float, float, false, float, kForm, false, false, kLow, kTerms, true>(
                     p + lo, g + lo, local[0], local[1], nullptr, lo, len, gm, wd, df, w1, b2, w2,
