@@ -364,6 +364,34 @@ def test_positions_past_two_to_the_32_draw_the_same_noise_in_both_roundings(
     assert not torch.equal(kernel_out[2500:], low_bits)
 
 
+@pytest.mark.parametrize("high", [False, True], ids=["low-half", "high-half"])
+def test_8_bit_noise_past_two_to_the_32_is_folded_alike_in_the_kernel_and_torch_operations(
+    high: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The 8-bit encoding's hashes (block_hashes in the kernel, hash32 in torch
+    # operations) fold positions past 2**32 as bfloat16's do, in both halves
+    # of the hash: the same bytes for blocks across and past the boundary,
+    # which are not those of the positions' low 32 bits alone.
+    n = 3000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(12)) * 1e-3
+    start = 2**32 - 1024  # four blocks below the boundary, the rest past it
+
+    def encoded(at: int) -> torch.Tensor:
+        packed = torch.zeros(_state_dtype.packed_numel(n), dtype=U8)
+        _state_dtype.quantize_(_state_dtype._Packed(packed, n, 0, n), x, False, 33, True, at, high)
+        return packed
+
+    kernel = encoded(start)
+    monkeypatch.setattr(_state_dtype, "_cpu_kernel", lambda: None)
+    assert torch.equal(kernel, encoded(start))
+    # Below the boundary the rule's NumPy statement, whose uint32 positions
+    # wrap past it: there the fold draws other noise.
+    codes, _ = rounding.eight_bit_encode_reference(x.numpy(), False, 33, True, start, high)
+    stored = kernel[4 * -(-n // 256) :].numpy()
+    assert np.array_equal(stored[:1024], codes[:1024])
+    assert not np.array_equal(stored[1024:], codes[1024:])
+
+
 def test_a_tensor_larger_than_a_chunk_steps_in_slices_as_a_whole(monkeypatch: Any) -> None:
     # Working copies are made a slice at a time for tensors larger than a chunk;
     # the slices take the whole tensor's step (one count, the noise of the same
