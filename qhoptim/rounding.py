@@ -477,7 +477,9 @@ def eight_bit_encode_reference(
     seed ``seed`` for the elements at positions ``start ..`` (the high half
     of its hash with ``high``: :func:`eight_bit_noise_source`), or to
     nearest: the NumPy statement of the rule every backend's tests compare
-    with.
+    with. Positions are taken modulo 2**32, as optax's uint32 positions are
+    (torch folds those of a tensor past 2**32 values instead, as its
+    bfloat16 rounding does).
 
     Each block of :data:`EIGHT_BIT_BLOCK` values is scaled by its largest
     finite magnitude: a value's ``ratio`` is its magnitude times the float32
@@ -517,7 +519,7 @@ def eight_bit_encode_reference(
     below, above = levels[low], levels[low + 1]
     if stochastic:
         u32 = Bits(const=np.uint32, select=np.where)
-        positions = np.arange(start, start + n, dtype=np.uint32)  # below 2**32
+        positions = (np.arange(start, start + n, dtype=np.int64) & MASK32).astype(np.uint32)
         noise = noise16(positions, np.uint32(seed), u32, high)
         threshold = noise.astype(np.float32) / np.float32(65536)
     else:

@@ -780,7 +780,7 @@ inline void encode_block_at_scale(uint8_t* c, const float* x, int64_t len, float
 // Encode one block of `len` values `x` (the values `first ..` of their tensor)
 // into `codes`, its scale found first and written to `*scale_out`; rounded
 // stochastically with the noise of `seed` at their positions (block_hashes,
-// WRAP its), or to nearest.
+// WRAP its; the hashes' high halves with `high`), or to nearest.
 template <bool WRAP = false>
 inline void encode_block(uint8_t* c, float* scale_out, const float* x, int64_t first, int64_t len,
                          const Ladder& ladder, bool is_signed, uint32_t seed, bool stochastic,
