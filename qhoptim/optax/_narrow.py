@@ -193,12 +193,35 @@ def _as_float32(bits: jax.Array) -> jax.Array:
 
 
 def _blocked(x: jax.Array) -> jax.Array:
-    """``x`` flattened, padded with zeros to whole blocks, one row per block."""
+    """``x`` as rows of whole blocks, each row one block of 256 values of
+    its row-major order: ``(*x.shape[:k], blocks, 256)`` for the last axes
+    ``x.shape[k:]`` that hold whole blocks (the fewest such), else ``x``
+    flattened and padded with zeros to whole blocks, ``(blocks, 256)``.
+
+    The leading axes stay as they are, so that XLA keeps an array split along
+    any of them split in the blocks and in what is made of them (the codes):
+    a flattened array's reshape into blocks has no sharding of its own, and
+    XLA placed the codes of an array split along a later axis on every
+    device."""
+    shape = tuple(x.shape)
+    size = 1
+    for k in reversed(range(len(shape))):
+        size *= shape[k]
+        if size % rounding.EIGHT_BIT_BLOCK == 0:
+            return x.reshape(*shape[:k], size // rounding.EIGHT_BIT_BLOCK, rounding.EIGHT_BIT_BLOCK)
     flat = x.reshape(-1)
     blocks = -(-flat.size // rounding.EIGHT_BIT_BLOCK)
     padded = jnp.pad(flat, (0, blocks * rounding.EIGHT_BIT_BLOCK - flat.size))
     rows: jax.Array = padded.reshape(blocks, rounding.EIGHT_BIT_BLOCK)
     return rows
+
+
+def _unblocked(rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Values of :func:`_blocked`'s ``rows`` back in an array of ``shape``."""
+    size = math.prod(shape)
+    if rows.size == size:
+        return rows.reshape(shape)
+    return rows.reshape(-1)[:size].reshape(shape)
 
 
 def _explicit_axes(x: jax.Array) -> tuple[Any, Any] | None:
@@ -287,9 +310,8 @@ def _decode_here(stored: EightBitArray) -> jax.Array:
         return jnp.where(k == 0, jnp.float32(0), level)
 
     def scaled(magnitude: jax.Array) -> jax.Array:
-        rows = _blocked(magnitude) * stored.scales[:, None]
-        value: jax.Array = rows.reshape(-1)[: codes.size].reshape(codes.shape)
-        return value
+        rows = _blocked(magnitude)
+        return _unblocked(rows * stored.scales.reshape(rows.shape[:-1])[..., None], codes.shape)
 
     value: jax.Array = rounding.eight_bit_value(codes, level_of, stored.signed, scaled, jnp.where)
     return value
@@ -303,21 +325,22 @@ def _encode_here(
     levels around it, chosen by the noise of ``seed`` (the high halves of its
     hashes with ``high``), or to nearest; NaN and infinities take the
     non-finite code and leave their block alone."""
-    x = value.astype(jnp.float32).reshape(-1)  # flat: blocks of 256 in row-major order
+    x = value.astype(jnp.float32)
     finite = jnp.isfinite(x)
     # Subnormals read as 0 (XLA flushes them; the rule does so everywhere).
     smallest = rounding.EIGHT_BIT_SMALLEST
     magnitudes = jnp.where(finite & (jnp.abs(x) >= smallest), jnp.abs(x), 0.0)
+    rows = _blocked(magnitudes)
     # The stored state has no derivative (a bfloat16 one goes through a bit
     # cast; the C++ step takes constants): neither have the blocks' scales.
-    scales = jax.lax.stop_gradient(_blocked(magnitudes).max(axis=1))
+    largest = jax.lax.stop_gradient(rows.max(axis=-1))
     # Once per block: ratios are products; above EIGHT_BIT_LARGEST_PLAIN_SCALE
     # with the reciprocal of a quarter of the scale, which XLA would otherwise
     # flush to 0 (a subnormal), then times 1/4.
-    large = scales > rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE
-    inverse = (jnp.where(large, jnp.float32(4), jnp.float32(1)) / scales)[:, None]
-    after = jnp.where(large, jnp.float32(0.25), jnp.float32(1))[:, None]
-    ratio = (_blocked(magnitudes) * inverse * after).reshape(-1)[: x.size]
+    large = largest > rounding.EIGHT_BIT_LARGEST_PLAIN_SCALE
+    inverse = (jnp.where(large, jnp.float32(4), jnp.float32(1)) / largest)[..., None]
+    after = jnp.where(large, jnp.float32(0.25), jnp.float32(1))[..., None]
+    ratio = _unblocked(rows * inverse * after, x.shape)
     ratio = jnp.where(jnp.isnan(ratio) | (ratio < smallest), 0.0, ratio)  # 0 * inf: all zeros
     # The levels around each ratio from its bits, with no table (see _decode).
     low, below, above = rounding.eight_bit_levels_around(
@@ -330,7 +353,7 @@ def _encode_here(
     code = rounding.eight_bit_code(
         x, finite, ratio, low, _as_float32(below), _as_float32(above), threshold, signed, jnp.where
     )
-    return EightBitArray(code.astype(jnp.uint8).reshape(value.shape), scales, signed)
+    return EightBitArray(code.astype(jnp.uint8), largest.reshape(-1), signed)
 
 
 def stored_leaves(treedef: Any, tree: Any, what: str, signed: bool) -> list[Any]:

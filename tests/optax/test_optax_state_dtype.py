@@ -445,6 +445,71 @@ def test_narrow_state_on_a_mesh_of_explicit_axes_steps_as_on_one_device() -> Non
     assert len(lines) == 8 and all(line.endswith(" True") for line in lines), result.stdout
 
 
+AUTO_AXES = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import qhoptim.optax as qho
+mesh = Mesh(np.array(jax.devices()), ("x",))
+rng = np.random.default_rng(0)
+specs = {"cols": P(None, "x"), "rows": P("x", None), "kernel": P(None, None, None, "x"),
+         "odd": P(None, "x")}
+values = {"cols": rng.standard_normal((64, 512)), "rows": rng.standard_normal((128, 256)),
+          "kernel": rng.standard_normal((3, 3, 8, 64)), "odd": rng.standard_normal((6, 100))}
+for name, make in (("qhm", qho.qhm), ("qhadam", qho.qhadam)):
+    runs = []
+    for sharded in (False, True):
+        def place(k, a):
+            return jax.device_put(a, NamedSharding(mesh, specs[k])) if sharded else a
+        params = {k: place(k, jnp.asarray(v, jnp.float32)) for k, v in values.items()}
+        tx = qho.qhadam(1e-2, state_dtype=jnp.uint8) if name == "qhadam" else qho.qhm(
+            1e-2, state_dtype=jnp.uint8)
+        state = tx.init(params)
+
+        @jax.jit
+        def step(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        for t in range(3):
+            grads = {k: place(k, jnp.asarray(np.cos(t + v), jnp.float32))
+                     for k, v in values.items()}
+            params, state = step(params, state, grads)
+        runs.append((params, state))
+    same = all(np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, runs), strict=True))
+    print(name, "same", same)
+    eight_bit = lambda x: isinstance(x, qho.EightBitArray)
+    moments = [m for m in jax.tree.leaves(runs[1][1], is_leaf=eight_bit) if eight_bit(m)]
+    for k in sorted(values):
+        held = {tuple(m.codes.sharding.spec) for m in moments if m.shape == values[k].shape}
+        print(name, k, sorted(held, key=repr))
+"""
+
+
+def test_an_8_bit_state_on_a_mesh_of_automatic_axes_stays_split_as_its_parameter() -> None:
+    # XLA places what it can't tell the split of: codes made of a flattened
+    # array were put on every device where the parameter is split along a
+    # later axis. Blocks keep the leading axes of an array whose trailing
+    # axes hold whole blocks, and the codes stay split as their parameter
+    # (a flattened one, "odd", as XLA places it); the bits are those of one
+    # device.
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    result = subprocess.run(
+        [sys.executable, "-c", AUTO_AXES], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.split("\n")[:-1]
+    for name in ("qhm", "qhadam"):
+        assert f"{name} same True" in lines, result.stdout
+        assert f"{name} cols [(None, 'x')]" in lines, result.stdout
+        assert f"{name} rows [('x',)]" in lines or f"{name} rows [('x', None)]" in lines, (
+            result.stdout
+        )
+        assert f"{name} kernel [(None, None, None, 'x')]" in lines, result.stdout
+
+
 INIT_SCALES = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
