@@ -400,6 +400,18 @@ def test_8_bit_codes_of_values_over_sixty_decades_are_the_rules(fused: bool) -> 
         assert np.array_equal(np.asarray(moment["w"].scales), scales)
 
 
+def _printed_on_host_devices(script: str, devices: int) -> list[str]:
+    """The lines ``script`` prints, run in a fresh process whose JAX has
+    ``devices`` CPU devices (XLA reads the flag when it starts)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split("\n")[:-1]
+
+
 EXPLICIT_AXES = """
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
@@ -433,16 +445,8 @@ def test_narrow_state_on_a_mesh_of_explicit_axes_steps_as_on_one_device() -> Non
     # jax.make_mesh's default axes are explicit in newer JAX: there a gather
     # of a replicated table by a sharded index fails, so no narrow state's
     # step reads one. Sharded and unsharded runs store the same bits.
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    result = subprocess.run(
-        [sys.executable, "-c", EXPLICIT_AXES], capture_output=True, text=True, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.split("\n")[:-1]
-    assert len(lines) == 8 and all(line.endswith(" True") for line in lines), result.stdout
+    lines = _printed_on_host_devices(EXPLICIT_AXES, 2)
+    assert len(lines) == 8 and all(line.endswith(" True") for line in lines), lines
 
 
 AUTO_AXES = """
@@ -489,25 +493,15 @@ def test_an_8_bit_state_on_a_mesh_of_automatic_axes_stays_split_as_its_parameter
     # XLA places what it can't tell the split of: codes made of a flattened
     # array were put on every device where the parameter is split along a
     # later axis. Blocks keep the leading axes of an array whose trailing
-    # axes hold whole blocks, and the codes stay split as their parameter
-    # (a flattened one, "odd", as XLA places it); the bits are those of one
-    # device.
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    result = subprocess.run(
-        [sys.executable, "-c", AUTO_AXES], capture_output=True, text=True, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.split("\n")[:-1]
+    # axes hold whole blocks, and the codes stay split as their parameter;
+    # the bits are those of one device ("odd" holds no whole block in its
+    # rows and is flattened: its bits are checked too).
+    lines = _printed_on_host_devices(AUTO_AXES, 4)
     for name in ("qhm", "qhadam"):
-        assert f"{name} same True" in lines, result.stdout
-        assert f"{name} cols [(None, 'x')]" in lines, result.stdout
-        assert f"{name} rows [('x',)]" in lines or f"{name} rows [('x', None)]" in lines, (
-            result.stdout
-        )
-        assert f"{name} kernel [(None, None, None, 'x')]" in lines, result.stdout
+        assert f"{name} same True" in lines, lines
+        assert f"{name} cols [(None, 'x')]" in lines, lines
+        assert f"{name} rows [('x',)]" in lines or f"{name} rows [('x', None)]" in lines, lines
+        assert f"{name} kernel [(None, None, None, 'x')]" in lines, lines
 
 
 INIT_SCALES = """
@@ -529,15 +523,7 @@ def test_an_8_bit_init_splits_the_scales_as_its_steps_do() -> None:
     # They were made on one device: as the parameter's first axis where each
     # part is whole blocks (w: 3,072 values, two parts of 6 blocks), else on
     # every device (d, split along its second axis).
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    result = subprocess.run(
-        [sys.executable, "-c", INIT_SCALES], capture_output=True, text=True, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[:-1] == ["w ('x',) 2", "d () 2"], result.stdout
+    assert _printed_on_host_devices(INIT_SCALES, 2) == ["w ('x',) 2", "d () 2"]
 
 
 @pytest.mark.parametrize(
