@@ -25,8 +25,12 @@ _BITS = rounding.Bits(const=lambda c: jnp.asarray(c, jnp.uint32), select=jnp.whe
 class EightBitArray:
     """An array's state stored in 8 bits (``state_dtype=jnp.uint8``): a pytree
     of ``codes`` (uint8, the array's shape: one byte per value) and ``scales``
-    (float32, one per block of 256 values in row-major order: the block's
-    largest finite magnitude).
+    (float32, one per block of 256 values of its row-major order: the block's
+    largest finite magnitude). The scales keep the array's leading axes: where
+    its last axes from some axis ``k`` on hold whole blocks (the fewest such),
+    they have the shape ``(*shape[:k], blocks of shape[k:])``, else one axis
+    of all the blocks; so a split of the array along an axis can split its
+    scales too. In row-major order they are the blocks' scales in order.
 
     A value is its block's scale times the level of
     :func:`qhoptim.rounding.eight_bit_levels` its code names (bit 7 its sign,
@@ -139,8 +143,7 @@ def zeros_state(params: optax.Params, state_dtype: Any, signed: bool) -> Any:
     _tell_flax_of_eight_bit()
 
     def zeros(p: jax.Array) -> EightBitArray:
-        blocks = -(-p.size // rounding.EIGHT_BIT_BLOCK)
-        scales = jnp.zeros((blocks,), jnp.float32)
+        scales = jnp.zeros(scales_shape(tuple(p.shape)), jnp.float32)
         sharding = _concrete_sharding(p)
         if isinstance(sharding, jax.sharding.NamedSharding):  # split as the steps split them
             spec = _block_spec(sharding.mesh, sharding.spec, tuple(p.shape))
@@ -192,28 +195,43 @@ def _as_float32(bits: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _blocked(x: jax.Array) -> jax.Array:
-    """``x`` as rows of whole blocks, each row one block of 256 values of
-    its row-major order: ``(*x.shape[:k], blocks, 256)`` for the last axes
-    ``x.shape[k:]`` that hold whole blocks (the fewest such), else ``x``
-    flattened and padded with zeros to whole blocks, ``(blocks, 256)``.
-
-    The leading axes stay as they are, so that XLA keeps an array split along
-    any of them split in the blocks and in what is made of them (the codes):
-    a flattened array's reshape into blocks has no sharding of its own, and
-    XLA placed the codes of an array split along a later axis on every
-    device."""
-    shape = tuple(x.shape)
+def _block_axis(shape: tuple[int, ...]) -> int | None:
+    """The axis from which the last axes of an array of ``shape`` hold whole
+    blocks of 256 values (the last such axis: the fewest axes), or None."""
     size = 1
     for k in reversed(range(len(shape))):
         size *= shape[k]
         if size % rounding.EIGHT_BIT_BLOCK == 0:
-            return x.reshape(*shape[:k], size // rounding.EIGHT_BIT_BLOCK, rounding.EIGHT_BIT_BLOCK)
+            return k
+    return None
+
+
+def scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the scales of an 8-bit state of an array of ``shape``
+    (:class:`EightBitArray`): its axes before :func:`_block_axis` and its
+    blocks of the axes from there, else its blocks."""
+    k = _block_axis(shape)
+    if k is None:
+        return (-(-math.prod(shape) // rounding.EIGHT_BIT_BLOCK),)
+    return (*shape[:k], math.prod(shape[k:]) // rounding.EIGHT_BIT_BLOCK)
+
+
+def _blocked(x: jax.Array) -> jax.Array:
+    """``x`` as rows of whole blocks, each row one block of 256 values of
+    its row-major order: of the shape ``(*scales_shape(x.shape), 256)``, the
+    array padded with zeros to whole blocks where its last axes hold none.
+
+    The leading axes stay as they are, so that XLA keeps an array split along
+    any of them split in the blocks and in what is made of them (the codes
+    and the scales): a flattened array's reshape into blocks has no sharding
+    of its own, and XLA placed the codes of an array split along a later
+    axis on every device."""
+    rows = (*scales_shape(tuple(x.shape)), rounding.EIGHT_BIT_BLOCK)
+    if math.prod(rows) == x.size:
+        return x.reshape(rows)
     flat = x.reshape(-1)
-    blocks = -(-flat.size // rounding.EIGHT_BIT_BLOCK)
-    padded = jnp.pad(flat, (0, blocks * rounding.EIGHT_BIT_BLOCK - flat.size))
-    rows: jax.Array = padded.reshape(blocks, rounding.EIGHT_BIT_BLOCK)
-    return rows
+    padded = jnp.pad(flat, (0, math.prod(rows) - flat.size))
+    return padded.reshape(rows)
 
 
 def _unblocked(rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -242,16 +260,26 @@ def _explicit_axes(x: jax.Array) -> tuple[Any, Any] | None:
 
 
 def _block_spec(mesh: Any, spec: Any, shape: tuple[int, ...]) -> Any:
-    """How an 8-bit state's block scales are split, for a value of ``shape``
-    split by ``spec``: as the value's first axis where each of its parts is
-    whole blocks of the flattened value; otherwise on every device."""
+    """How an 8-bit state's scales (:func:`scales_shape`) are split, for a
+    value of ``shape`` split by ``spec``: along the value's axes before its
+    blocks' axes as the value is; along the blocks where the value is split
+    at their first axis only, into parts of whole blocks; otherwise on every
+    device."""
     P: Any = jax.sharding.PartitionSpec
-    first = spec[0] if len(spec) else None
-    if first is None or any(axes is not None for axes in spec[1:]):
+    spec = (*spec, *(None,) * (len(shape) - len(spec)))
+    k = _block_axis(shape)
+    if k is None:
         return P()
-    parts = math.prod(mesh.shape[a] for a in ((first,) if isinstance(first, str) else first))
-    size = math.prod(shape)
-    return P(first) if size % (parts * rounding.EIGHT_BIT_BLOCK) == 0 else P()
+    axes = spec[k]
+    if axes is not None and all(a is None for a in spec[k + 1 :]):
+        parts = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+        whole = shape[k] % parts == 0 and (
+            shape[k] // parts * math.prod(shape[k + 1 :]) % rounding.EIGHT_BIT_BLOCK == 0
+        )
+        axes = axes if whole else None
+    else:
+        axes = None
+    return P(*spec[:k], axes)
 
 
 def _on_auto_axes(f: Callable[..., Any], out_specs: Callable[..., Any], *arrays: jax.Array) -> Any:
@@ -353,7 +381,7 @@ def _encode_here(
     code = rounding.eight_bit_code(
         x, finite, ratio, low, _as_float32(below), _as_float32(above), threshold, signed, jnp.where
     )
-    return EightBitArray(code.astype(jnp.uint8), largest.reshape(-1), signed)
+    return EightBitArray(code.astype(jnp.uint8), largest, signed)
 
 
 def stored_leaves(treedef: Any, tree: Any, what: str, signed: bool) -> list[Any]:
@@ -362,12 +390,22 @@ def stored_leaves(treedef: Any, tree: Any, what: str, signed: bool) -> list[Any]
     variable, and from its second update on hands an 8-bit leaf back as the
     mapping of its two children (0: the codes, 1: the scales) that nnx's
     state made of it; it is read as the :class:`EightBitArray` it was
-    (``signed``: the field's)."""
+    (``signed``: the field's). Scales kept in one axis (earlier 2.0.0
+    development builds) are read in :func:`scales_shape`'s shape, so that a
+    step's new state has it on every path."""
     leaves = leaves_like(treedef, tree, what)
-    return [
+    read = [
         EightBitArray(x[0], x[1], signed) if isinstance(x, Mapping) and set(x) == {0, 1} else x
         for x in leaves
     ]
+    return [_shaped_scales(x) if isinstance(x, EightBitArray) else x for x in read]
+
+
+def _shaped_scales(stored: EightBitArray) -> EightBitArray:
+    shape = scales_shape(tuple(stored.codes.shape))
+    if stored.scales.shape == shape or stored.scales.size != math.prod(shape):
+        return stored  # as stored, or not of this array: the step refuses it
+    return EightBitArray(stored.codes, stored.scales.reshape(shape), stored.signed)
 
 
 def load(stored: jax.Array | EightBitArray, dtype: Any) -> jax.Array:
@@ -431,9 +469,13 @@ def decoded_state(state: Any) -> Any:
 
 def _decoded_batch(stored: EightBitArray) -> jax.Array:
     """:func:`_decode` of ``stored``, or of each of a batch of 8-bit states (from
-    ``jax.vmap`` of ``init`` or ``update``: scales of more than one axis, the
-    leading ones the batch's), each with its own scales."""
+    ``jax.vmap`` of ``init`` or ``update``: scales of the batch's leading axis
+    and then each member's), each with its own scales."""
     codes, scales = stored.codes, stored.scales
+    expected = scales_shape(tuple(codes.shape))
+    # One axis of as many scales: the layout of earlier 2.0.0 development builds.
+    if scales.shape == expected or scales.shape == (math.prod(expected),):
+        return _decode(stored)
     if scales.ndim > 1:
         if codes.shape[:1] != scales.shape[:1]:
             raise ValueError(
@@ -443,10 +485,8 @@ def _decoded_batch(stored: EightBitArray) -> jax.Array:
         return jax.vmap(lambda c, s: _decoded_batch(EightBitArray(c, s, stored.signed)))(
             codes, scales
         )
-    blocks = -(-codes.size // rounding.EIGHT_BIT_BLOCK)
-    if scales.shape != (blocks,):
-        raise ValueError(
-            f"an 8-bit state of shape {codes.shape} has a scale per block of "
-            f"{rounding.EIGHT_BIT_BLOCK} values, {blocks}; received scales of shape {scales.shape}"
-        )
-    return _decode(stored)
+    raise ValueError(
+        f"an 8-bit state of shape {codes.shape} has a scale per block of "
+        f"{rounding.EIGHT_BIT_BLOCK} values, of shape {expected}; received scales of shape "
+        f"{scales.shape}"
+    )

@@ -50,7 +50,15 @@ NARROW = {
 }
 #: Shapes that cover a 0-d and an empty parameter, and one of more than
 #: 2**17 values, which is stepped in slices on several threads.
-SHAPES = {"big": (300, 500), "conv": (8, 3, 3, 3), "empty": (0, 4), "scalar": (), "vector": (7,)}
+# "rows": rows of whole 8-bit blocks, whose scales keep the leading axis (2, 2).
+SHAPES = {
+    "big": (300, 500),
+    "conv": (8, 3, 3, 3),
+    "empty": (0, 4),
+    "rows": (2, 512),
+    "scalar": (),
+    "vector": (7,),
+}
 CONFIGS = {
     "qhm": lambda **kw: qho.qhm(0.1, momentum=0.9, nu=0.7, **kw),
     "qhm-nu1": lambda **kw: qho.qhm(0.1, momentum=0.99, nu=1.0, **kw),

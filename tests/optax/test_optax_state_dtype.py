@@ -39,7 +39,7 @@ OPTIMIZERS = {
 
 def _params() -> dict[str, jax.Array]:
     rng = np.random.default_rng(0)
-    shapes = {"w": (64, 33), "b": (33,), "c": (7,)}
+    shapes = {"w": (64, 33), "b": (33,), "c": (7,), "r": (2, 512)}  # r: scales of shape (2, 2)
     return {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
 
 
@@ -309,7 +309,9 @@ def test_the_8_bit_state_takes_a_byte_and_a_share_of_a_scale_per_value(name: str
     assert len(stored) == per_parameter * len(params)
     for x in stored:
         assert x.codes.dtype == jnp.uint8 and x.scales.dtype == jnp.float32
-        assert x.scales.shape == (-(-x.codes.size // 256),)
+        # A scale per block of 256 values; rows of whole blocks keep their axis.
+        blocks = (2, 2) if x.codes.shape == (2, 512) else (-(-x.codes.size // 256),)
+        assert x.scales.shape == blocks
     want = sum(p.size + 4 * -(-p.size // 256) for p in params.values())
     assert _packed_bytes(state) == per_parameter * want
 
@@ -456,9 +458,10 @@ import qhoptim.optax as qho
 mesh = Mesh(np.array(jax.devices()), ("x",))
 rng = np.random.default_rng(0)
 specs = {"cols": P(None, "x"), "rows": P("x", None), "kernel": P(None, None, None, "x"),
-         "odd": P(None, "x")}
+         "odd": P(None, "x"), "wide": P(None, "x")}
 values = {"cols": rng.standard_normal((64, 512)), "rows": rng.standard_normal((128, 256)),
-          "kernel": rng.standard_normal((3, 3, 8, 64)), "odd": rng.standard_normal((6, 100))}
+          "kernel": rng.standard_normal((3, 3, 8, 64)), "odd": rng.standard_normal((6, 100)),
+          "wide": rng.standard_normal((8, 4096))}
 for name, make in (("qhm", qho.qhm), ("qhadam", qho.qhadam)):
     runs = []
     for sharded in (False, True):
@@ -486,6 +489,8 @@ for name, make in (("qhm", qho.qhm), ("qhadam", qho.qhadam)):
     for k in sorted(values):
         held = {tuple(m.codes.sharding.spec) for m in moments if m.shape == values[k].shape}
         print(name, k, sorted(held, key=repr))
+        held = {tuple(m.scales.sharding.spec) for m in moments if m.shape == values[k].shape}
+        print(name, k, "scales", sorted(held, key=repr))
 """
 
 
@@ -493,7 +498,8 @@ def test_an_8_bit_state_on_a_mesh_of_automatic_axes_stays_split_as_its_parameter
     # XLA places what it can't tell the split of: codes made of a flattened
     # array were put on every device where the parameter is split along a
     # later axis. Blocks keep the leading axes of an array whose trailing
-    # axes hold whole blocks, and the codes stay split as their parameter;
+    # axes hold whole blocks, and the codes (and scales) stay split as their
+    # parameter;
     # the bits are those of one device ("odd" holds no whole block in its
     # rows and is flattened: its bits are checked too).
     lines = _printed_on_host_devices(AUTO_AXES, 4)
@@ -502,6 +508,12 @@ def test_an_8_bit_state_on_a_mesh_of_automatic_axes_stays_split_as_its_parameter
         assert f"{name} cols [(None, 'x')]" in lines, lines
         assert f"{name} rows [('x',)]" in lines or f"{name} rows [('x', None)]" in lines, lines
         assert f"{name} kernel [(None, None, None, 'x')]" in lines, lines
+        # The scales too, where each part of the split holds whole blocks
+        # ("wide": 1,024 columns a device, (8, 16) scales).
+        assert f"{name} wide scales [(None, 'x')]" in lines, lines
+        assert f"{name} rows scales [('x',)]" in lines or (
+            f"{name} rows scales [('x', None)]" in lines
+        ), lines
 
 
 INIT_SCALES = """
@@ -567,6 +579,38 @@ def test_a_narrow_state_of_16_bit_gradients_decays_as_in_float32(
     assert len(first) == (2 if name == "qhadam" else 1)
     for before, after in zip(first, later, strict=True):
         assert after / before == pytest.approx(beta**1000, rel=0.01)
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["default", "xla"])
+def test_an_8_bit_state_with_its_scales_in_one_axis_steps_and_reads_as_it_would_shaped(
+    fused: Any,
+) -> None:
+    # Earlier 2.0.0 development builds kept every state's scales in one axis;
+    # rows of whole blocks keep their leading axes now ((2, 512): (2, 2)).
+    # Such a state reads and steps to the same numbers.
+    params = {"r": jnp.linspace(-1.0, 1.0, 1024, dtype=jnp.float32).reshape(2, 512)}
+    grads = {"r": jnp.cos(params["r"] * 7.0)}
+    tx = qho.qhadam(1e-2, nu1=0.7, state_dtype=U8, fused=fused)
+    _, shaped = tx.update(grads, tx.init(params), params)
+    assert shaped[0].mu["r"].scales.shape == (2, 2)
+
+    def one_axis(x: Any) -> Any:
+        if not isinstance(x, qho.EightBitArray):
+            return x
+        return qho.EightBitArray(x.codes, x.scales.reshape(-1), x.signed)
+
+    flat = jax.tree.map(one_axis, shaped, is_leaf=lambda x: isinstance(x, qho.EightBitArray))
+    assert flat[0].mu["r"].scales.shape == (4,)
+    for got, want in zip(
+        jax.tree.leaves(qho.decoded_state(flat)),
+        jax.tree.leaves(qho.decoded_state(shaped)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    from_flat = tx.update(grads, flat, params)
+    from_shaped = tx.update(grads, shaped, params)
+    for got, want in zip(jax.tree.leaves(from_flat), jax.tree.leaves(from_shaped), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("n", [4, 256, 700])
