@@ -85,9 +85,11 @@ def _tell_flax_of_eight_bit() -> None:
         return {"codes": x.codes, "scales": x.scales}
 
     def from_state_dict(target: EightBitArray, state: dict[str, Any]) -> EightBitArray:
-        return EightBitArray(
-            jnp.asarray(state["codes"]), jnp.asarray(state["scales"]), target.signed
-        )
+        scales = jnp.asarray(state["scales"])
+        shape = tuple(getattr(target.scales, "shape", scales.shape))
+        if scales.shape != shape and scales.size == math.prod(shape):
+            scales = scales.reshape(shape)  # in one axis, as earlier development builds kept them
+        return EightBitArray(jnp.asarray(state["codes"]), scales, target.signed)
 
     serialization.register_serialization_state(EightBitArray, to_state_dict, from_state_dict)
     _flax_knows_eight_bit = True

@@ -611,6 +611,21 @@ def test_an_8_bit_state_with_its_scales_in_one_axis_steps_and_reads_as_it_would_
     from_shaped = tx.update(grads, shaped, params)
     for got, want in zip(jax.tree.leaves(from_flat), jax.tree.leaves(from_shaped), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Restored into init's structure by flax, it has the shaped scales at once,
+    # so that what needs a step's state to keep its shapes (lax.scan's carry)
+    # takes it.
+    from flax import serialization
+
+    restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(flat))
+    assert restored[0].mu["r"].scales.shape == (2, 2)
+
+    def step(state: Any, _: None) -> tuple[Any, None]:
+        return tx.update(grads, state, params)[1], None
+
+    scanned = jax.lax.scan(step, restored, length=2)[0]
+    stepped = jax.lax.scan(step, shaped, length=2)[0]
+    for got, want in zip(jax.tree.leaves(scanned), jax.tree.leaves(stepped), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("n", [4, 256, 700])
