@@ -405,9 +405,19 @@ def stored_leaves(treedef: Any, tree: Any, what: str, signed: bool) -> list[Any]
 
 def _shaped_scales(stored: EightBitArray) -> EightBitArray:
     shape = scales_shape(tuple(stored.codes.shape))
-    if stored.scales.shape == shape or stored.scales.size != math.prod(shape):
-        return stored  # as stored, or not of this array: the step refuses it
+    if stored.scales.shape == shape:
+        return stored
+    if stored.scales.size != math.prod(shape):
+        raise _scales_error(stored, shape)
     return EightBitArray(stored.codes, stored.scales.reshape(shape), stored.signed)
+
+
+def _scales_error(stored: EightBitArray, shape: tuple[int, ...]) -> ValueError:
+    return ValueError(
+        f"an 8-bit state of shape {stored.codes.shape} has a scale per block of "
+        f"{rounding.EIGHT_BIT_BLOCK} values, of shape {shape}; received scales of shape "
+        f"{stored.scales.shape}"
+    )
 
 
 def load(stored: jax.Array | EightBitArray, dtype: Any) -> jax.Array:
@@ -487,8 +497,4 @@ def _decoded_batch(stored: EightBitArray) -> jax.Array:
         return jax.vmap(lambda c, s: _decoded_batch(EightBitArray(c, s, stored.signed)))(
             codes, scales
         )
-    raise ValueError(
-        f"an 8-bit state of shape {codes.shape} has a scale per block of "
-        f"{rounding.EIGHT_BIT_BLOCK} values, of shape {expected}; received scales of shape "
-        f"{scales.shape}"
-    )
+    raise _scales_error(stored, expected)

@@ -611,6 +611,18 @@ def test_an_8_bit_state_with_its_scales_in_one_axis_steps_and_reads_as_it_would_
     from_shaped = tx.update(grads, shaped, params)
     for got, want in zip(jax.tree.leaves(from_flat), jax.tree.leaves(from_shaped), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Scales of another count are not this array's: refused before anything steps.
+    wrong = jax.tree.map(
+        lambda x: (
+            qho.EightBitArray(x.codes, x.scales[:-1], x.signed)
+            if isinstance(x, qho.EightBitArray)
+            else x
+        ),
+        shaped,
+        is_leaf=lambda x: isinstance(x, qho.EightBitArray),
+    )
+    with pytest.raises(ValueError, match=r"a scale per block of 256 values, of shape \(2, 2\)"):
+        tx.update(grads, wrong, params)
     # Restored into init's structure by flax, it has the shaped scales at once,
     # so that what needs a step's state to keep its shapes (lax.scan's carry)
     # takes it.
