@@ -499,9 +499,8 @@ def test_an_8_bit_state_on_a_mesh_of_automatic_axes_stays_split_as_its_parameter
     # array were put on every device where the parameter is split along a
     # later axis. Blocks keep the leading axes of an array whose trailing
     # axes hold whole blocks, and the codes (and scales) stay split as their
-    # parameter;
-    # the bits are those of one device ("odd" holds no whole block in its
-    # rows and is flattened: its bits are checked too).
+    # parameter; the bits are those of one device ("odd" holds no whole
+    # block in its rows and is flattened: its bits are checked too).
     lines = _printed_on_host_devices(AUTO_AXES, 4)
     for name in ("qhm", "qhadam"):
         assert f"{name} same True" in lines, lines
